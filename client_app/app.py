@@ -1,0 +1,49 @@
+"""The ClientApp: ``train`` runs the method's local rule, ``evaluate`` scores the personalized
+model on the client's own test split. Both reply with the client id in a ConfigRecord."""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from client_app.runtime import Client
+from client_app.training import LocalTraining, evaluate
+
+app = ClientApp()
+
+
+def _identity(client: Client) -> ConfigRecord:
+    return ConfigRecord({"client-id": client.client_id, "partition-id": client.partition_id})
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    client = Client.from_context(context)
+    server_round = int(msg.content["config"]["server-round"])
+    received = msg.content["arrays"]
+    model = client.model(received)
+    torch.manual_seed(client.settings.seed * 7919 + server_round * 31 + client.partition_id)
+    loss = client.method.local_train(LocalTraining(
+        model, client.loader(train=True, server_round=server_round), client.settings,
+        client.device, server_round))
+    client.keep_personal(model, received)
+    return Message(RecordDict({
+        "arrays": client.shared_arrays(model),
+        "metrics": MetricRecord({"num-examples": len(client.data.y_train),
+                                 "train-loss": float(loss)}),
+        "client": _identity(client),
+    }), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_personalized(msg: Message, context: Context) -> Message:
+    client = Client.from_context(context)
+    received: ArrayRecord = msg.content["arrays"]
+    model = client.model(received)
+    loss, accuracy = evaluate(model, client.loader(train=False), client.device)
+    return Message(RecordDict({
+        "metrics": MetricRecord({"num-examples": len(client.data.y_test), "loss": loss,
+                                 "accuracy": accuracy}),
+        "client": _identity(client),
+    }), reply_to=msg)

@@ -1,0 +1,130 @@
+"""What one client is: identity, device, data, and its personal state (DESIGN 1 and 6)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, Context
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from common.config import ConfigError, RunSettings
+from fldata import ClientData, load_client_data
+from strategies.registry import REGISTRY, Method, build_model
+
+PERSONAL = "personal-state"
+
+
+def select_device(setting: str) -> torch.device:
+    """``auto``: this client's own CUDA device when one is visible (Ray gives each
+    simulated client its own through ``CUDA_VISIBLE_DEVICES``), else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {setting!r} asked for, but no CUDA device is visible")
+    return torch.device(setting)
+
+
+@lru_cache(maxsize=4)
+def _client_data(run_config_json: str, partition_id: int, num_partitions: int,
+                 data_dir: str | None) -> ClientData:
+    settings = RunSettings.from_run_config(json.loads(run_config_json))
+    return load_client_data(settings, partition_id, num_partitions, data_dir)
+
+
+@dataclass
+class Client:
+    """One client in one message: settings, who it is, its data and its device."""
+
+    context: Context
+    settings: RunSettings
+    method: Method
+    client_id: str
+    partition_id: int
+    device: torch.device
+
+    @classmethod
+    def from_context(cls, context: Context) -> Client:
+        settings = RunSettings.from_run_config(context.run_config)
+        node = context.node_config
+        if "partition-id" not in node or "num-partitions" not in node:
+            raise ConfigError("node config: partition-id and num-partitions are required "
+                              "(simulation sets them; on a SuperNode use --node-config)")
+        partition_id = int(node["partition-id"])
+        client_id = str(node.get("client-id", partition_id))
+        return cls(context, settings, REGISTRY[settings.method], client_id, partition_id,
+                   select_device(settings.device))
+
+    # -------------------------------------------------------------------- data
+    @property
+    def data(self) -> ClientData:
+        node = self.context.node_config
+        data_dir = str(node["data-dir"]) if node.get("data-dir") else None
+        return _client_data(json.dumps(self.settings.raw, sort_keys=True), self.partition_id,
+                            int(node["num-partitions"]), data_dir)
+
+    def loader(self, train: bool, server_round: int = 0) -> DataLoader:
+        data = self.data
+        x, y = (data.x_train, data.y_train) if train else (data.x_test, data.y_test)
+        dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        generator = torch.Generator().manual_seed(
+            self.settings.seed * 100_003 + server_round * 1009 + self.partition_id)
+        return DataLoader(dataset, batch_size=self.settings.batch_size, shuffle=train,
+                          generator=generator, pin_memory=self.device.type == "cuda")
+
+    # -------------------------------------------------------------------- model and state
+    @property
+    def state_file(self) -> Path | None:
+        state_dir = self.context.node_config.get("state-dir")
+        return Path(str(state_dir)) / f"{self.client_id}.pt" if state_dir else None
+
+    def personal_state(self) -> dict[str, torch.Tensor]:
+        """This client's personal parameters: from ``context.state``, else from
+        ``state-dir`` (after a SuperNode restart), else nothing (first round)."""
+        if PERSONAL in self.context.state:
+            return self.context.state[PERSONAL].to_torch_state_dict()
+        path = self.state_file
+        if path is not None and path.exists():
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if saved.get("run-id") == self.context.run_id:
+                return saved["personal"]
+        return {}
+
+    def model(self, received: ArrayRecord) -> nn.Module:
+        """The run's model with this client's personal state, then the received shared
+        arrays on top."""
+        model = build_model(self.settings)
+        own = model.state_dict()
+        incoming = received.to_torch_state_dict()
+        for key, value in incoming.items():
+            if key not in own or own[key].shape != value.shape:
+                raise ValueError(f"received array {key!r} does not fit the model")
+        model.load_state_dict({**own, **self.personal_state(), **incoming})
+        return model.to(self.device)
+
+    def keep_personal(self, model: nn.Module, received: ArrayRecord) -> None:
+        """Everything the server did not send is personal: keep it in ``context.state`` and,
+        with ``state-dir``, on disk (written atomically)."""
+        personal = {k: v.detach().cpu() for k, v in model.state_dict().items()
+                    if k not in received}
+        self.context.state[PERSONAL] = ArrayRecord(personal)
+        path = self.state_file
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+            torch.save({"run-id": self.context.run_id, "method": self.settings.method,
+                        "personal": personal}, tmp)
+        os.replace(tmp.name, path)
+
+    def shared_arrays(self, model: nn.Module) -> ArrayRecord:
+        """The uplink: exactly the method's shared keys."""
+        state = model.state_dict()
+        keys = self.method.shared_keys(model, self.settings)
+        return ArrayRecord({k: state[k].detach().cpu() for k in keys})

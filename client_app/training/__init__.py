@@ -1,0 +1,82 @@
+"""Local training: what a method does with its model on one client's data in one round.
+
+A method's rule is a function ``LocalTraining -> float`` (the mean training loss). The loops
+here are the building blocks; each method's rule sits beside them in its own file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from common.config import RunSettings
+
+ExtraLoss = Callable[[nn.Module], Tensor]
+
+
+@dataclass
+class LocalTraining:
+    """Everything a local-training rule may use."""
+
+    model: nn.Module
+    loader: DataLoader
+    settings: RunSettings
+    device: torch.device
+    server_round: int
+
+
+def sgd(params: Iterable[nn.Parameter], settings: RunSettings) -> torch.optim.Optimizer:
+    """A fresh optimizer (no optimizer state survives a round: DESIGN 6)."""
+    return torch.optim.SGD(list(params), lr=settings.lr, momentum=settings.momentum,
+                           weight_decay=settings.weight_decay)
+
+
+def train_epochs(job: LocalTraining, params: Iterable[nn.Parameter], epochs: int,
+                 extra_loss: ExtraLoss | None = None) -> float:
+    """``epochs`` passes of cross-entropy (+ ``extra_loss``) over ``params`` only.
+
+    Returns the mean batch loss (0.0 when ``epochs`` is 0).
+    """
+    params = list(params)
+    if epochs == 0 or not params:
+        return 0.0
+    trainable = {id(p) for p in params}
+    for p in job.model.parameters():
+        p.requires_grad_(id(p) in trainable)
+    optimizer = sgd(params, job.settings)
+    criterion = nn.CrossEntropyLoss()
+    job.model.train()
+    total, batches = 0.0, 0
+    for _ in range(epochs):
+        for x, y in job.loader:
+            x, y = x.to(job.device, non_blocking=True), y.to(job.device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss = criterion(job.model(x), y)
+            if extra_loss is not None:
+                loss = loss + extra_loss(job.model)
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+            batches += 1
+    for p in job.model.parameters():
+        p.requires_grad_(True)
+    return total / max(batches, 1)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """(mean loss, accuracy) of ``model`` on ``loader``."""
+    model.eval()
+    criterion = nn.CrossEntropyLoss(reduction="sum")
+    loss, correct, count = 0.0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss += criterion(logits, y).item()
+        correct += (logits.argmax(1) == y).sum().item()
+        count += len(y)
+    return loss / max(count, 1), correct / max(count, 1)

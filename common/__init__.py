@@ -1,0 +1,1 @@
+"""Pieces both apps use: the run configuration and the local-federation launcher."""

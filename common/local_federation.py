@@ -1,0 +1,138 @@
+"""Run the app through real ``flwr run`` on a private, self-stopping local SuperLink.
+
+``flwr run .`` against ``:local:`` normally spawns a detached SuperLink on fixed ports that
+outlives the run and is shared by everyone on the host. Tests, benchmarks and the demo script
+instead start their own ``flower-superlink --simulation`` on free ports with their own
+``FLWR_HOME`` (the CLI finds it by port, exactly as it finds its managed one), and stop it,
+with every process it started, on exit.
+
+    with LocalFederation() as federation:
+        completed = federation.run(".", {"method": "fedper"}, num_supernodes=4)
+
+Command line (used by scripts/demo.sh):  python -m common.local_federation [--supernodes N]
+[--cpus-per-client C] [--gpus-per-client G] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalFederation:
+    """A private simulation SuperLink for ``flwr run`` (context manager)."""
+
+    def __init__(self, home: str | Path | None = None) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="flwr-home-") if home is None else None
+        self.home = Path(home or self._tmp.name)
+        self.http_port, self.control_port = free_port(), free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        bin_dir = str(Path(sys.executable).parent)
+        return {**os.environ,
+                "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+                "FLWR_HOME": str(self.home),
+                "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(self.http_port),
+                "FLWR_LOCAL_CONTROL_API_PORT": str(self.control_port),
+                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                "FLWR_DISABLE_UPDATE_CHECK": "1",
+                "FLWR_TELEMETRY_ENABLED": "0",
+                "RAY_DEDUP_LOGS": "0",
+                "PYTHONUNBUFFERED": "1"}
+
+    def __enter__(self) -> LocalFederation:
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(
+            '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
+        log = open(self.home / "superlink.log", "ab")  # noqa: SIM115 (outlives this call)
+        self.process = subprocess.Popen(
+            ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+             "--control-api-address", f"127.0.0.1:{self.control_port}",
+             "--host", "127.0.0.1", "--port", str(self.http_port)],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"flower-superlink exited; see {self.home}/superlink.log")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health",
+                                            timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.3)
+        self.__exit__(None, None, None)
+        raise RuntimeError("flower-superlink did not become healthy within 60 s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            # The SuperLink runs in its own session: stop it and every process it started
+            # (flwr-simulation, Ray) with it.
+            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def run(self, app_dir: str | Path, run_config: dict[str, Any] | None = None, *,
+            num_supernodes: int = 4, cpus_per_client: int = 1, gpus_per_client: float = 0.0,
+            timeout: float = 900, echo: bool = False) -> subprocess.CompletedProcess:
+        """``flwr run APP --stream`` with ``run_config`` overrides; returns when it ends."""
+        command = ["flwr", "run", str(app_dir), "--stream", "--federation-config",
+                   f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
+                   f" client-resources-num-gpus={gpus_per_client}"]
+        if run_config:
+            overrides = self.home / f"run-config-{time.monotonic_ns()}.toml"
+            overrides.write_text(tomli_w.dumps(run_config))
+            command += ["--run-config", str(overrides)]
+        completed = subprocess.run(command, env=self.env, capture_output=not echo, text=True,
+                                   timeout=timeout, check=False)
+        return completed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--app", default=".")
+    parser.add_argument("--supernodes", type=int, default=10)
+    parser.add_argument("--cpus-per-client", type=int, default=1)
+    parser.add_argument("--gpus-per-client", type=float, default=0.0)
+    parser.add_argument("overrides", nargs="*", help="run-config overrides as key=value (TOML)")
+    args = parser.parse_args()
+    import tomllib
+
+    run_config = tomllib.loads("\n".join(
+        f'"{k}" = {v}' for k, v in (item.split("=", 1) for item in args.overrides)))
+    with LocalFederation() as federation:
+        completed = federation.run(args.app, run_config, num_supernodes=args.supernodes,
+                                   cpus_per_client=args.cpus_per_client,
+                                   gpus_per_client=args.gpus_per_client, echo=True)
+    sys.exit(completed.returncode)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Where examples come from: bundled, generated, Hugging Face hub, or a local directory.
+
+Every source yields a pool ``(x, y)``: ``x`` float32 of shape ``(N, *input_shape)``, ``y``
+int64 class ids. Images are scaled to [0, 1] and normalised per channel (mean 0.5, std 0.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SyntheticFedFac:
+    """One client's data from the FedFac paper's generator (section 4.3.1).
+
+    Covariates ``x = [x_p, x_s]``: ``d_s = round(alpha * d)`` shared ones ``x_s ~ N(0, I)`` and
+    ``d - d_s`` personal ones ``x_p ~ N(mu_c, Sigma)``, ``Sigma_ij = 0.5^|i-j|``,
+    ``mu_c ~ N(0, I)`` per client. Teacher: one hidden ReLU layer of ``m`` units, of which
+    ``m2 = round(p * m)`` are shared by all clients (same input and output weights) and
+    ``m1 = m - m2`` are client-specific. Its output ``f`` is standardised per client (so the
+    classes are balanced) and the label is ``1[sigmoid(4 f + noise * e) > 1/2]``,
+    ``e ~ N(0, 1)``.
+    """
+
+    dim: int
+    hidden: int
+    shared_param_fraction: float
+    shared_covariate_fraction: float
+    noise: float
+
+    @property
+    def num_shared_units(self) -> int:
+        return int(round(self.shared_param_fraction * self.hidden))
+
+    @property
+    def num_shared_covariates(self) -> int:
+        return int(round(self.shared_covariate_fraction * self.dim))
+
+    def true_shared_units(self) -> np.ndarray:
+        """Boolean mask over hidden units: True for the teacher's shared units (the first
+        ``m2``). A student with ``hidden`` units given this split is the oracle FedFac is
+        compared with."""
+        return np.arange(self.hidden) < self.num_shared_units
+
+    def _teacher(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        w1 = rng.normal(0, 1 / np.sqrt(self.dim), (self.hidden, self.dim))
+        w2 = rng.normal(0, 1 / np.sqrt(self.hidden), self.hidden)
+        return w1, w2
+
+    def client(self, seed: int, client: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        shared_w1, shared_w2 = self._teacher(np.random.default_rng([seed, 0]))
+        rng = np.random.default_rng([seed, 1, client])
+        own_w1, own_w2 = self._teacher(rng)
+        shared = self.true_shared_units()
+        w1 = np.where(shared[:, None], shared_w1, own_w1)
+        w2 = np.where(shared, shared_w2, own_w2)
+
+        d_p = self.dim - self.num_shared_covariates
+        idx = np.arange(d_p)
+        sigma = 0.5 ** np.abs(idx[:, None] - idx[None, :])
+        mu = rng.normal(0, 1, d_p)
+        x_p = rng.multivariate_normal(mu, sigma, num_samples) if d_p else np.empty((num_samples, 0))
+        x_s = rng.normal(0, 1, (num_samples, self.num_shared_covariates))
+        x = np.concatenate([x_p, x_s], axis=1)
+
+        f = np.maximum(x @ w1.T, 0) @ w2
+        f = (f - np.median(f)) / (f.std() + 1e-12)
+        logit = 4 * f + self.noise * rng.normal(0, 1, num_samples)
+        y = (1 / (1 + np.exp(-logit)) > 0.5).astype(np.int64)
+        return x.astype(np.float32), y
+
+
+@lru_cache(maxsize=1)
+def digits_pool() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), as (N, 1, 8, 8)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.images.astype(np.float32) / 16.0 - 0.5) / 0.5
+    return x[:, None], bunch.target.astype(np.int64)
+
+
+def _image_column(ds: datasets.Dataset) -> str:
+    for name, feature in ds.features.items():
+        if isinstance(feature, datasets.Image):
+            return name
+    for name in ("image", "img", "x"):
+        if name in ds.column_names:
+            return name
+    raise ValueError(f"no image column in {ds.column_names}")
+
+
+def arrays_from_hf(ds: datasets.Dataset, label_column: str = "label") -> tuple[np.ndarray,
+                                                                               np.ndarray]:
+    """Images (PIL or nested lists) and labels of a ``datasets.Dataset`` as (x, y) arrays.
+
+    Grey images become (N, 1, H, W), colour ones (N, 3, H, W), normalised as above.
+    """
+    column = _image_column(ds)
+    images = ds.with_format("numpy")[column] if not isinstance(
+        ds.features[column], datasets.Image) else np.stack([np.asarray(im) for im in ds[column]])
+    x = np.asarray(images, dtype=np.float32)
+    if x.max() > 1.0:
+        x = x / 255.0
+    x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+    y = np.asarray(ds[label_column], dtype=np.int64)
+    return (x - 0.5) / 0.5, y
+
+
+def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray]:
+    """A dataset on local disk, for air-gapped devices.
+
+    Either a ``.npz`` file with arrays ``x`` (N, C, H, W) or (N, D) and ``y`` (N,), or a
+    directory written by ``datasets.Dataset.save_to_disk`` (a ``DatasetDict``'s ``train``
+    split is used).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset: no such file or directory: {path}")
+    if path.suffix == ".npz":
+        with np.load(path) as data:
+            return data["x"].astype(np.float32), data["y"].astype(np.int64)
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        loaded = loaded["train"]
+    return arrays_from_hf(loaded, label_column)

@@ -1,0 +1,46 @@
+"""The ServerApp: validate the run config, build the method's strategy, run the rounds,
+write results.json after each one."""
+
+from __future__ import annotations
+
+import random
+from logging import ERROR, INFO
+
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from common.config import ConfigError, RunSettings
+from server_app.results import ResultsRecorder, output_dir
+from strategies.registry import REGISTRY, build_model
+
+app = ServerApp()
+
+
+def initial_shared_arrays(settings: RunSettings) -> ArrayRecord:
+    """The method's shared part of the seeded initial model (what round 1 sends)."""
+    model = build_model(settings)
+    state = model.state_dict()
+    keys = REGISTRY[settings.method].shared_keys(model, settings)
+    return ArrayRecord({k: state[k] for k in keys})
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    try:
+        settings = RunSettings.from_run_config(context.run_config)
+        initial = initial_shared_arrays(settings)
+    except ConfigError as error:
+        log(ERROR, "Invalid run config: %s", error)
+        raise SystemExit(f"Invalid run config: {error}") from None
+    random.seed(settings.seed)  # node sampling
+    method = REGISTRY[settings.method]
+    strategy = method.strategy(settings, initial)
+    recorder = ResultsRecorder(settings, strategy, output_dir(settings),
+                               plot=bool(context.run_config.get("plot", True)))
+    log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
+        settings.dataset, settings.partitioner, recorder.out_dir)
+    strategy.start(grid=grid, initial_arrays=initial, num_rounds=settings.num_server_rounds,
+                   timeout=settings.round_timeout, train_config=ConfigRecord(),
+                   evaluate_config=ConfigRecord(), evaluate_fn=recorder.on_round)
+    recorder.finish()

@@ -1,0 +1,280 @@
+"""The machinery every method's strategy shares (DESIGN sections 3-5).
+
+``PersonalizedStrategy`` is Flower's ``FedAvg`` with:
+- one message per node, built by ``downlink`` (methods override it for per-client payloads),
+- client ids (not node ids) as the key of everything per client, learned from replies,
+- reply validation: keys, shapes, dtypes, finite values; a bad reply is dropped and logged,
+- bytes accounting with ``ArrayRecord.count_bytes()``,
+- personalized evaluation statistics over every client's own test split,
+- a per-round ``history`` that the ServerApp turns into ``results.json``.
+
+A method overrides ``downlink`` and/or ``aggregate_shared`` (and, if its uplink differs from
+its downlink, ``expected_uplink``); nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
+
+from common.config import RunSettings
+
+ARRAYS, CONFIG, METRICS, CLIENT = "arrays", "config", "metrics", "client"
+NUM_EXAMPLES = "num-examples"
+ArraySpec = dict[str, tuple[tuple[int, ...], str]]
+
+
+def spec_of(arrays: ArrayRecord) -> ArraySpec:
+    """key -> (shape, dtype) of every array in ``arrays``."""
+    return {k: (tuple(a.shape), str(a.dtype)) for k, a in arrays.items()}
+
+
+@dataclass
+class ClientReply:
+    """A validated reply: who sent it and what it carries."""
+
+    node_id: int
+    client_id: str
+    arrays: ArrayRecord
+    metrics: MetricRecord
+    info: ConfigRecord
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.metrics[NUM_EXAMPLES])
+
+    @property
+    def content(self) -> RecordDict:
+        return RecordDict({ARRAYS: self.arrays, METRICS: self.metrics})
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round, for results.json."""
+
+    bytes_up: int = 0
+    bytes_down_train: int = 0
+    bytes_down_evaluate: int = 0
+    train: dict[str, Any] | None = None
+    eval: dict[str, Any] | None = None
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ReplyError(ValueError):
+    """Why a reply was dropped."""
+
+
+class PersonalizedStrategy(FedAvg):
+    """FedAvg over a method's shared parameters, with per-node messages and validation."""
+
+    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
+        super().__init__(
+            fraction_train=settings.fraction_train,
+            fraction_evaluate=settings.fraction_evaluate,
+            min_train_nodes=1,
+            min_evaluate_nodes=1,
+            min_available_nodes=settings.min_nodes,
+        )
+        self.settings = settings
+        self.shared_spec: ArraySpec = spec_of(initial_arrays)
+        self.global_arrays = initial_arrays  # the shared arrays the current round started from
+        self.node_to_client: dict[int, str] = {}
+        self.history: dict[int, RoundRecord] = {}
+        self.per_client_accuracy: dict[str, float] = {}
+        self._dst_of_message: dict[str, int] = {}
+        self._sent: list[Message] = []
+
+    # ------------------------------------------------------------------ method hooks
+    def downlink(self, server_round: int, client_id: str | None,
+                 arrays: ArrayRecord) -> ArrayRecord:
+        """The arrays one client receives; ``client_id`` is None for a node not seen yet."""
+        return arrays
+
+    def expected_uplink(self, client_id: str) -> ArraySpec:
+        """key -> (shape, dtype) that a client's train reply must carry exactly."""
+        return self.shared_spec
+
+    def aggregate_shared(self, server_round: int, replies: list[ClientReply],
+                         arrays: ArrayRecord) -> ArrayRecord:
+        """New global shared arrays from the valid replies (default: weighted mean)."""
+        return aggregate_arrayrecords([r.content for r in replies], NUM_EXAMPLES)
+
+    def state_tables(self) -> dict[str, Any]:
+        """Server-side per-client tables, keyed by client id (part of the checkpoint)."""
+        return {}
+
+    # ------------------------------------------------------------------ messages
+    def _record(self, server_round: int) -> RoundRecord:
+        return self.history.setdefault(server_round, RoundRecord())
+
+    def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                  grid: Grid, fraction: float, message_type: str) -> list[Message]:
+        if fraction == 0.0:
+            return []
+        num_nodes = len(list(grid.get_node_ids()))
+        sample_size = max(int(num_nodes * fraction), 1)
+        node_ids, _ = sample_nodes(grid, self.min_available_nodes, sample_size)
+        messages = []
+        for node_id in node_ids:
+            client_id = self.node_to_client.get(node_id)
+            content = RecordDict({   # a fresh RecordDict per node: never shared between nodes
+                ARRAYS: self.downlink(server_round, client_id, arrays),
+                CONFIG: ConfigRecord({**config, "server-round": server_round}),
+            })
+            messages.append(Message(content, dst_node_id=node_id, message_type=message_type,
+                                    group_id=str(server_round)))
+        down = sum(m.content[ARRAYS].count_bytes() for m in messages)
+        record = self._record(server_round)
+        if message_type == MessageType.TRAIN:
+            record.bytes_down_train += down
+        else:
+            record.bytes_down_evaluate += down
+        self._sent = messages
+        if message_type == MessageType.TRAIN:
+            self.global_arrays = arrays
+        return messages
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return self._messages(server_round, arrays, config, grid, self.fraction_train,
+                              MessageType.TRAIN)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self._messages(server_round, arrays, config, grid, self.fraction_evaluate,
+                              MessageType.EVALUATE)
+
+    # ------------------------------------------------------------------ validation
+    def _sender(self, reply: Message) -> int:
+        # Errors generated by the SuperLink come from node 1: map them by message id.
+        dst = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent}
+        return dst.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+
+    def _validate(self, reply: Message, metric_keys: tuple[str, ...],
+                  expect_arrays: bool) -> ClientReply:
+        if reply.has_error():
+            raise ReplyError(f"error reply (code {reply.error.code}): {reply.error.reason}")
+        content = reply.content
+        info = content.config_records.get(CLIENT)
+        if info is None or not isinstance(info.get("client-id"), str):
+            raise ReplyError("no ConfigRecord 'client' with a string 'client-id'")
+        client_id = info["client-id"]
+        metrics = content.metric_records.get(METRICS)
+        if metrics is None:
+            raise ReplyError("no MetricRecord 'metrics'")
+        missing = [k for k in (NUM_EXAMPLES, *metric_keys) if k not in metrics]
+        if missing:
+            raise ReplyError(f"metrics lack {missing}")
+        for key, value in metrics.items():
+            values = value if isinstance(value, list) else [value]
+            if not all(math.isfinite(float(v)) for v in values):
+                raise ReplyError(f"metric {key!r} is not finite")
+        if not (isinstance(metrics[NUM_EXAMPLES], int) and metrics[NUM_EXAMPLES] > 0):
+            raise ReplyError(f"{NUM_EXAMPLES} must be a positive int")
+        arrays = content.array_records.get(ARRAYS, ArrayRecord())
+        if expect_arrays:
+            self._check_arrays(arrays, self.expected_uplink(client_id))
+        return ClientReply(reply.metadata.src_node_id, client_id, arrays, metrics, info)
+
+    @staticmethod
+    def _check_arrays(arrays: ArrayRecord, expected: ArraySpec) -> None:
+        got = set(arrays.keys())
+        if got != set(expected):
+            unknown, missing = sorted(got - set(expected)), sorted(set(expected) - got)
+            raise ReplyError(f"array keys differ: unknown {unknown[:5]}, missing {missing[:5]}")
+        for key, (shape, dtype) in expected.items():
+            array = arrays[key]
+            if tuple(array.shape) != shape:
+                raise ReplyError(f"{key!r} has shape {tuple(array.shape)}, expected {shape}")
+            if str(array.dtype) != dtype:
+                raise ReplyError(f"{key!r} has dtype {array.dtype}, expected {dtype}")
+            values = array.numpy()
+            if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
+                raise ReplyError(f"{key!r} has non-finite values")
+
+    def _valid_replies(self, server_round: int, replies: Iterable[Message], stage: str,
+                       metric_keys: tuple[str, ...], expect_arrays: bool) -> list[ClientReply]:
+        record = self._record(server_round)
+        valid = []
+        for reply in replies:
+            node_id = self._sender(reply)
+            if stage == "train" and not reply.has_error():
+                record.bytes_up += sum(a.count_bytes()
+                                       for a in reply.content.array_records.values())
+            try:
+                checked = self._validate(reply, metric_keys, expect_arrays)
+            except ReplyError as reason:
+                client_id = self.node_to_client.get(node_id, "?")
+                log(WARNING, "round %d %s: dropped reply of node %d (client %s): %s",
+                    server_round, stage, node_id, client_id, reason)
+                record.dropped.append({"stage": stage, "node": node_id, "client": client_id,
+                                       "reason": str(reason)})
+                continue
+            self.node_to_client[node_id] = checked.client_id
+            valid.append(checked)
+        return valid
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        valid = self._valid_replies(server_round, replies, "train", ("train-loss",), True)
+        if not valid:
+            log(WARNING, "round %d: no valid train reply; the shared model is unchanged",
+                server_round)
+            return None, None
+        arrays = self.aggregate_shared(server_round, valid, self.global_arrays)
+        total = sum(r.num_examples for r in valid)
+        loss = sum(float(r.metrics["train-loss"]) * r.num_examples for r in valid) / total
+        self._record(server_round).train = {"loss": loss, "num_clients": len(valid)}
+        return arrays, MetricRecord({"train-loss": loss, "num-clients": len(valid)})
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        valid = self._valid_replies(server_round, replies, "evaluate", ("accuracy", "loss"),
+                                    False)
+        if not valid:
+            return None
+        stats = personalized_stats({r.client_id: (float(r.metrics["accuracy"]), r.num_examples)
+                                    for r in valid})
+        self._record(server_round).eval = stats
+        self.per_client_accuracy.update(stats["per_client"])
+        log(INFO, "round %d: personalized accuracy weighted %.4f mean %.4f min %.4f (%d clients)",
+            server_round, stats["accuracy_weighted"], stats["accuracy_mean"],
+            stats["accuracy_min"], stats["num_clients"])
+        return MetricRecord({k: v for k, v in stats.items() if k != "per_client"})
+
+
+def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, Any]:
+    """DESIGN section 3: weighted/mean/std/min accuracy over clients, plus the per-client map."""
+    accuracy = np.array([a for a, _ in per_client.values()])
+    examples = np.array([n for _, n in per_client.values()], dtype=float)
+    return {
+        "accuracy_weighted": float((accuracy * examples).sum() / examples.sum()),
+        "accuracy_mean": float(accuracy.mean()),
+        "accuracy_std": float(accuracy.std()),
+        "accuracy_min": float(accuracy.min()),
+        "num_clients": len(per_client),
+        "per_client": {cid: a for cid, (a, _) in sorted(per_client.items(),
+                                                        key=lambda kv: _client_order(kv[0]))},
+    }
+
+
+def _client_order(client_id: str) -> tuple[int, str]:
+    return (int(client_id), "") if client_id.isdigit() else (1 << 30, client_id)
