@@ -16,14 +16,18 @@ Command line (used by scripts/demo.sh):  python -m common.local_federation [--su
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass
+class FlowerRun:
+    """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
+
+    returncode: int
+    output: str
+    run_id: str | None
+    status: str  # e.g. "finished:completed", "finished:failed"; "" if the run never started
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.status == "finished:completed"
 
 
 class LocalFederation:
@@ -63,7 +81,7 @@ class LocalFederation:
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "config.toml").write_text(
             '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
-        log = open(self.home / "superlink.log", "ab")  # noqa: SIM115 (outlives this call)
+        log = open(self.home / "superlink.log", "ab")
         self.process = subprocess.Popen(
             ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
              "--control-api-address", f"127.0.0.1:{self.control_port}",
@@ -101,8 +119,11 @@ class LocalFederation:
 
     def run(self, app_dir: str | Path, run_config: dict[str, Any] | None = None, *,
             num_supernodes: int = 4, cpus_per_client: int = 1, gpus_per_client: float = 0.0,
-            timeout: float = 900, echo: bool = False) -> subprocess.CompletedProcess:
-        """``flwr run APP --stream`` with ``run_config`` overrides; returns when it ends."""
+            timeout: float = 900, echo: bool = False) -> FlowerRun:
+        """``flwr run APP --stream`` with ``run_config`` overrides; returns when it ends.
+
+        ``flwr run --stream`` exits 0 even when the ServerApp fails, so the run's final
+        status is read back from the SuperLink (``flwr ls --run-id``)."""
         command = ["flwr", "run", str(app_dir), "--stream", "--federation-config",
                    f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
                    f" client-resources-num-gpus={gpus_per_client}"]
@@ -110,9 +131,29 @@ class LocalFederation:
             overrides = self.home / f"run-config-{time.monotonic_ns()}.toml"
             overrides.write_text(tomli_w.dumps(run_config))
             command += ["--run-config", str(overrides)]
-        completed = subprocess.run(command, env=self.env, capture_output=not echo, text=True,
-                                   timeout=timeout, check=False)
-        return completed
+        lines: list[str] = []
+        with subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) as process:
+            watchdog = threading.Timer(timeout, process.kill)
+            watchdog.start()
+            try:
+                for line in process.stdout:  # stream the progress lines as they come
+                    lines.append(line)
+                    if echo:
+                        print(line, end="", flush=True)
+            finally:
+                watchdog.cancel()
+            returncode = process.wait()
+        output = "".join(lines)
+        found = re.search(r"Successfully started run (\d+)", output)
+        run_id = found.group(1) if found else None
+        status = ""
+        if run_id is not None:
+            listed = subprocess.run(["flwr", "ls", "--run-id", run_id, "--format", "json"],
+                                    env=self.env, capture_output=True, text=True, check=False)
+            runs = json.loads(listed.stdout or "{}").get("runs", [])
+            status = runs[0]["status"] if runs else ""
+        return FlowerRun(returncode, output, run_id, status)
 
 
 def main() -> None:
@@ -128,10 +169,11 @@ def main() -> None:
     run_config = tomllib.loads("\n".join(
         f'"{k}" = {v}' for k, v in (item.split("=", 1) for item in args.overrides)))
     with LocalFederation() as federation:
-        completed = federation.run(args.app, run_config, num_supernodes=args.supernodes,
-                                   cpus_per_client=args.cpus_per_client,
-                                   gpus_per_client=args.gpus_per_client, echo=True)
-    sys.exit(completed.returncode)
+        run = federation.run(args.app, run_config, num_supernodes=args.supernodes,
+                             cpus_per_client=args.cpus_per_client,
+                             gpus_per_client=args.gpus_per_client, echo=True)
+    print(f"run {run.run_id}: {run.status or 'not started'}")
+    sys.exit(0 if run.ok else 1)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,
     train, test = [], []
     for label in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == label))
-        n_test = int(round(test_fraction * len(members))) if len(members) > 1 else 0
+        n_test = round(test_fraction * len(members)) if len(members) > 1 else 0
         test.append(members[:n_test])
         train.append(members[n_test:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))

@@ -35,11 +35,11 @@ class SyntheticFedFac:
 
     @property
     def num_shared_units(self) -> int:
-        return int(round(self.shared_param_fraction * self.hidden))
+        return round(self.shared_param_fraction * self.hidden)
 
     @property
     def num_shared_covariates(self) -> int:
-        return int(round(self.shared_covariate_fraction * self.dim))
+        return round(self.shared_covariate_fraction * self.dim)
 
     def true_shared_units(self) -> np.ndarray:
         """Boolean mask over hidden units: True for the teacher's shared units (the first

@@ -32,7 +32,8 @@ def main(grid: Grid, context: Context) -> None:
         initial = initial_shared_arrays(settings)
     except ConfigError as error:
         log(ERROR, "Invalid run config: %s", error)
-        raise SystemExit(f"Invalid run config: {error}") from None
+        # An Exception (not SystemExit) is what marks the run as failed in Flower.
+        raise ConfigError(str(error)) from None
     random.seed(settings.seed)  # node sampling
     method = REGISTRY[settings.method]
     strategy = method.strategy(settings, initial)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import time
-
 from datetime import UTC, datetime
 from logging import INFO
 from pathlib import Path
@@ -81,7 +80,8 @@ class ResultsRecorder:
 
     def _progress(self, entry: dict[str, Any]) -> None:
         acc = entry.get("eval", {})
-        log(INFO, "[progress] round %3d | acc weighted %s min %s | up %.3f MB down %.3f MB | %.1f s",
+        log(INFO, "[progress] round %3d | acc weighted %s min %s | up %.3f MB down %.3f MB"
+            " | %.1f s",
             entry["round"], _fmt(acc.get("accuracy_weighted")), _fmt(acc.get("accuracy_min")),
             entry.get("bytes_up", 0) / MB, entry.get("bytes_down", 0) / MB, entry["seconds"])
 
