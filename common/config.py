@@ -88,9 +88,10 @@ class RunSettings:
     round_timeout: float
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
-    def setting(self, key: str, kind: type = float) -> Any:
-        """A method key such as ``"fedprox.mu"``, type-checked."""
-        return _typed(self.raw, key, kind)
+    def setting(self, key: str, kind: type = float, default: Any = None) -> Any:
+        """A method key such as ``"fedprox.mu"``, type-checked (missing: ``default``, or an
+        error if there is none)."""
+        return _typed(self.raw, key, kind, default)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:

@@ -75,8 +75,8 @@ def dataset_shape(settings: RunSettings) -> tuple[tuple[int, ...], int]:
     if settings.dataset in DATASETS:
         info = DATASETS[settings.dataset]
         return info.input_shape, info.num_classes
-    num_classes = settings.setting("num-classes", int)
-    shape = settings.setting("input-shape", str)
+    num_classes = settings.setting("num-classes", int, 0)
+    shape = settings.setting("input-shape", str, "")
     if num_classes > 0 and shape:
         try:
             return tuple(int(s) for s in shape.split(",")), num_classes
@@ -144,7 +144,8 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
         x_pool, y_pool = _pool(settings.dataset)
         idx = partition_indices(y_pool, settings, partition_id, num_partitions)
         x, y = x_pool[idx], y_pool[idx]
+    # Split before permuting, so that permute-labels changes the labels and nothing else.
+    train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
     if settings.permute_labels:
         y = label_permutation(num_classes, settings.seed, partition_id)[y]
-    train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
     return ClientData(x[train], y[train], x[test], y[test], num_classes)

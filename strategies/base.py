@@ -221,7 +221,7 @@ class PersonalizedStrategy(FedAvg):
             try:
                 checked = self._validate(reply, metric_keys, expect_arrays)
             except ReplyError as reason:
-                client_id = self.node_to_client.get(node_id, "?")
+                client_id = self.node_to_client.get(node_id) or _claimed_client_id(reply)
                 log(WARNING, "round %d %s: dropped reply of node %d (client %s): %s",
                     server_round, stage, node_id, client_id, reason)
                 record.dropped.append({"stage": stage, "node": node_id, "client": client_id,
@@ -259,6 +259,13 @@ class PersonalizedStrategy(FedAvg):
             server_round, stats["accuracy_weighted"], stats["accuracy_mean"],
             stats["accuracy_min"], stats["num_clients"])
         return MetricRecord({k: v for k, v in stats.items() if k != "per_client"})
+
+
+def _claimed_client_id(reply: Message) -> str:
+    """The client id a (possibly malformed) reply says it comes from, for log lines."""
+    if reply.has_error() or CLIENT not in reply.content.config_records:
+        return "?"
+    return str(reply.content.config_records[CLIENT].get("client-id", "?"))
 
 
 def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, Any]:

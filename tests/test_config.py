@@ -1,0 +1,49 @@
+"""The run config fails at start with one line naming the key and the allowed values."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from common.config import ConfigError, RunSettings
+from tests.conftest import ROOT
+
+
+def defaults() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+
+def test_pyproject_defaults_are_valid_and_hold_every_design_key():
+    config = defaults()
+    RunSettings.from_run_config(config)
+    design_keys = {"method", "dataset", "partitioner", "dirichlet-alpha", "classes-per-client",
+                   "permute-labels", "test-fraction", "model", "num-server-rounds",
+                   "fraction-train", "fraction-evaluate", "local-epochs", "batch-size", "lr",
+                   "seed", "device", "output-dir", "fedfac.layers", "fedfac.mode",
+                   "fedfac.kappa", "fedfac.tau-quantile", "pfedc.tasks", "pfedc.mgda",
+                   "factorized-fl.tau", "factorized-fl.epsilon", "factorized-fl.l1",
+                   "factorized-fl.variant", "feddecomp.rank-conv", "feddecomp.rank-linear",
+                   "feddecomp.lora-epochs"}
+    assert design_keys <= set(config)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("method", "fedfoo", "method: unknown value 'fedfoo'; allowed: fedavg, fedprox, local"),
+    ("dataset", "imagenet", "dataset: unknown value 'imagenet'; allowed: digits"),
+    ("model", "vgg", "model: unknown value 'vgg'; allowed: mlp, cnn, resnet8"),
+    ("partitioner", "shards", "partitioner: unknown value 'shards'; allowed: iid, dirichlet"),
+    ("device", "tpu", "device: unknown value 'tpu'; allowed: auto, cpu, cuda, cuda:N"),
+    ("dirichlet-alpha", 0.0, "dirichlet-alpha: 0.0 is out of range"),
+    ("test-fraction", 1.5, "test-fraction: 1.5 is out of range"),
+    ("lr", "fast", "lr: expected float, got 'fast'"),
+    ("fedrep.head-epochs", 9, "fedrep.head-epochs: 9 is out of range"),
+])
+def test_bad_values_raise_one_line(key, value, message):
+    config = {**defaults(), key: value}
+    if key == "fedrep.head-epochs":
+        config["method"] = "fedrep"
+    with pytest.raises(ConfigError) as error:
+        RunSettings.from_run_config(config)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)

@@ -1,0 +1,100 @@
+"""Partitioners: deterministic, disjoint, covering; pathological and permuted labels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.config import ConfigError, RunSettings
+from fldata import load_client_data
+from fldata.partition import label_permutation, partition_indices, train_test_split
+from fldata.sources import digits_pool
+
+
+def settings(**overrides) -> RunSettings:
+    return RunSettings.from_run_config({"dataset": "digits", **overrides})
+
+
+def all_partitions(s: RunSettings, n: int) -> list[np.ndarray]:
+    _, y = digits_pool()
+    return [partition_indices(y, s, pid, n) for pid in range(n)]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"partitioner": "iid"},
+    {"partitioner": "dirichlet", "dirichlet-alpha": 0.1},
+    {"partitioner": "dirichlet", "dirichlet-alpha": 0.5},
+    {"partitioner": "pathological", "classes-per-client": 2},
+    {"partitioner": "domain", "domain-groups": 2},
+])
+def test_partitions_are_deterministic_disjoint_and_cover(overrides):
+    s = settings(**overrides)
+    n = 10
+    first, second = all_partitions(s, n), all_partitions(s, n)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+    joined = np.concatenate(first)
+    assert len(joined) == len(np.unique(joined)), "partitions overlap"
+    assert len(joined) == len(digits_pool()[1]), "partitions do not cover the pool"
+    assert all(len(p) > 0 for p in first)
+
+
+def test_seed_changes_the_partition():
+    a = all_partitions(settings(partitioner="dirichlet", seed=1), 5)
+    b = all_partitions(settings(partitioner="dirichlet", seed=2), 5)
+    assert any(len(x) != len(y) or (x != y).any() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_pathological_gives_exactly_k_labels(k):
+    s = settings(partitioner="pathological", **{"classes-per-client": k})
+    for pid in range(10):
+        data = load_client_data(s, pid, 10)
+        assert len(np.unique(data.y_train)) == k
+        assert set(np.unique(data.y_test)) <= set(np.unique(data.y_train))
+
+
+def test_domain_groups_hold_disjoint_classes():
+    s = settings(partitioner="domain", **{"domain-groups": 2})
+    labels = [set(np.unique(load_client_data(s, pid, 6).y_train)) for pid in range(6)]
+    for pid in range(6):
+        for other in range(6):
+            same_domain = pid % 2 == other % 2
+            assert (labels[pid] == labels[other]) if same_domain else not labels[pid] & labels[
+                other]
+
+
+def test_permute_labels_is_a_per_client_bijection():
+    plain = settings(partitioner="iid")
+    permuted = settings(partitioner="iid", **{"permute-labels": True})
+    perms = []
+    for pid in range(4):
+        a, b = load_client_data(plain, pid, 4), load_client_data(permuted, pid, 4)
+        perm = label_permutation(10, permuted.seed, pid)
+        assert sorted(perm) == list(range(10))
+        np.testing.assert_array_equal(perm[a.y_train], b.y_train)
+        np.testing.assert_array_equal(a.x_train, b.x_train)
+        perms.append(tuple(perm))
+    assert len(set(perms)) == 4, "clients share a permutation"
+
+
+def test_test_split_has_the_train_distribution():
+    s = settings(partitioner="dirichlet", **{"dirichlet-alpha": 0.3})
+    for pid in range(5):
+        data = load_client_data(s, pid, 5)
+        train = np.bincount(data.y_train, minlength=10) / len(data.y_train)
+        test = np.bincount(data.y_test, minlength=10) / len(data.y_test)
+        assert np.abs(train - test).max() < 0.1
+        assert abs(len(data.y_test) / (len(data.y_test) + len(data.y_train)) - 0.2) < 0.05
+
+
+def test_train_test_split_is_disjoint_and_stratified():
+    labels = np.repeat(np.arange(4), [10, 20, 1, 5])
+    train, test = train_test_split(labels, 0.2, seed=0, partition_id=0)
+    assert not set(train) & set(test) and len(train) + len(test) == len(labels)
+    assert np.bincount(labels[test], minlength=4).tolist() == [2, 4, 0, 1]
+
+
+def test_partition_id_out_of_range_is_a_clear_error():
+    with pytest.raises(ConfigError, match="partition-id"):
+        load_client_data(settings(), 4, 4)

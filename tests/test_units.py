@@ -1,0 +1,175 @@
+"""Unit tests: data sources, backbones, reply validation, personal state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Context, RecordDict
+
+from client_app.runtime import Client
+from common.config import RunSettings
+from fldata import DATASETS, dataset_shape, load_client_data
+from fldata.sources import SyntheticFedFac, arrays_from_hf, load_local
+from models import BACKBONES, build_backbone
+from strategies.base import PersonalizedStrategy, ReplyError, personalized_stats, spec_of
+from strategies.baselines import body_keys, non_batchnorm_keys
+from strategies.registry import build_model
+
+
+def test_arrays_from_an_in_memory_hub_style_dataset():
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    grey = [Image.fromarray(rng.integers(0, 255, (28, 28), dtype=np.uint8)) for _ in range(6)]
+    colour = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+              for _ in range(6)]
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(num_classes=3)})
+    ds = datasets.Dataset.from_dict({"image": grey, "label": [0, 1, 2, 0, 1, 2]}, features)
+    x, y = arrays_from_hf(ds)
+    assert x.shape == (6, 1, 28, 28) and x.dtype == np.float32 and -1 <= x.min() <= x.max() <= 1
+    assert y.tolist() == [0, 1, 2, 0, 1, 2]
+    cds = datasets.Dataset.from_dict({"img": colour, "fine_label": [5] * 6},
+                                     datasets.Features({"img": datasets.Image(),
+                                                        "fine_label": datasets.Value("int64")}))
+    x, y = arrays_from_hf(cds, "fine_label")
+    assert x.shape == (6, 3, 32, 32) and set(y) == {5}
+
+
+def test_local_directory_and_npz_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 1, 8, 8)).astype(np.float32)
+    y = np.arange(200) % 4
+    np.savez(tmp_path / "pool.npz", x=x, y=y)
+    s = RunSettings.from_run_config({"dataset": str(tmp_path / "pool.npz"),
+                                     "partitioner": "iid"})
+    assert dataset_shape(s) == ((1, 8, 8), 4)
+    parts = [load_client_data(s, pid, 4) for pid in range(4)]
+    assert sum(len(p.y_train) + len(p.y_test) for p in parts) == 200
+    build_model(s)  # a default backbone fits the local data's shape
+    images = (rng.random((10, 8, 8)) * 255).astype(np.uint8)
+    datasets.Dataset.from_dict({"image": list(images), "label": list(range(10))}).save_to_disk(
+        str(tmp_path / "device-data"))
+    x_dir, y_dir = load_local(tmp_path / "device-data")
+    assert x_dir.shape == (10, 1, 8, 8) and y_dir.tolist() == list(range(10))
+    with pytest.raises(FileNotFoundError, match="dataset: no such file"):
+        load_local(tmp_path / "missing")
+
+
+def test_hub_datasets_are_declared_with_their_shapes():
+    assert {"mnist", "fashion-mnist", "cifar10", "cifar100", "svhn"} <= set(DATASETS)
+    assert all(info.hub_id for name, info in DATASETS.items()
+               if name not in ("digits", "synthetic-fedfac"))
+
+
+def test_synthetic_fedfac_generator():
+    gen = SyntheticFedFac(dim=20, hidden=10, shared_param_fraction=0.3,
+                          shared_covariate_fraction=0.5, noise=0.1)
+    assert gen.true_shared_units().tolist() == [True] * 3 + [False] * 7
+    x0, y0 = gen.client(seed=1, client=0, num_samples=400)
+    x0b, y0b = gen.client(seed=1, client=0, num_samples=400)
+    x1, _ = gen.client(seed=1, client=1, num_samples=400)
+    np.testing.assert_array_equal(x0, x0b)
+    np.testing.assert_array_equal(y0, y0b)
+    assert x0.shape == (400, 20) and set(np.unique(y0)) == {0, 1}
+    assert 0.35 < y0.mean() < 0.65  # standardised per client: balanced classes
+    # personal covariates have a client mean, shared ones do not
+    assert np.abs(x0[:, :10].mean(0) - x1[:, :10].mean(0)).mean() > 0.3
+    s = RunSettings.from_run_config({"dataset": "synthetic-fedfac", "synthetic.dim": 20,
+                                     "synthetic.hidden": 10, "synthetic.num-samples": 50,
+                                     "synthetic.shared-param-fraction": 0.3,
+                                     "synthetic.shared-covariate-fraction": 0.5,
+                                     "synthetic.noise": 0.1})
+    data = load_client_data(s, 0, 3)
+    assert data.x_train.shape[1] == 20 and len(data.y_train) + len(data.y_test) == 50
+
+
+@pytest.mark.parametrize("name", sorted(BACKBONES))
+def test_backbones_have_body_and_head(name):
+    shape = (3, 32, 32) if name != "mlp" else (20,)
+    model = build_backbone(name, shape, 7, mlp_hidden=16)
+    out = model(torch.zeros(2, *shape))
+    assert out.shape == (2, 7)
+    assert isinstance(model.head, torch.nn.Linear)
+    assert all(k.startswith(("body.", "head.")) for k in model.state_dict())
+
+
+def test_cnn_runs_on_digits_shape():
+    assert build_backbone("cnn", (1, 8, 8), 10)(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_shared_key_rules():
+    model = build_backbone("cnn", (1, 8, 8), 10)
+    s = RunSettings.from_run_config({})
+    assert not any(k.startswith("head.") for k in body_keys(model, s))
+    assert not any("running" in k for k in non_batchnorm_keys(model, s))
+    assert "body.1.weight" not in non_batchnorm_keys(model, s)  # BatchNorm affine
+    assert "body.0.weight" in non_batchnorm_keys(model, s)       # conv
+
+
+def _strategy() -> PersonalizedStrategy:
+    s = RunSettings.from_run_config({})
+    arrays = ArrayRecord({"w": Array(np.zeros((2, 3), np.float32))})
+    return PersonalizedStrategy(s, arrays)
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    (np.zeros((3, 2), np.float32), "shape"),
+    (np.zeros((2, 3), np.float64), "dtype"),
+    (np.full((2, 3), np.inf, np.float32), "non-finite"),
+])
+def test_reply_validation_rejects(value, reason):
+    strategy = _strategy()
+    with pytest.raises(ReplyError, match=reason):
+        strategy._check_arrays(ArrayRecord({"w": Array(value)}), strategy.shared_spec)
+    with pytest.raises(ReplyError, match="unknown"):
+        strategy._check_arrays(ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)),
+                                            "extra": Array(np.zeros(1))}),
+                               strategy.shared_spec)
+    strategy._check_arrays(ArrayRecord({"w": Array(np.ones((2, 3), np.float32))}),
+                           spec_of(ArrayRecord({"w": Array(np.ones((2, 3), np.float32))})))
+
+
+def test_personalized_stats():
+    stats = personalized_stats({"0": (1.0, 30), "1": (0.5, 10), "2": (0.0, 10)})
+    assert stats["accuracy_weighted"] == pytest.approx((30 + 5) / 50)
+    assert stats["accuracy_mean"] == pytest.approx(0.5)
+    assert stats["accuracy_min"] == 0.0
+    assert stats["accuracy_std"] == pytest.approx(np.std([1.0, 0.5, 0.0]))
+    assert list(stats["per_client"]) == ["0", "1", "2"]
+
+
+def _context(run_id: int, state_dir, method: str = "fedper") -> Context:
+    return Context(run_id=run_id, node_id=123, node_config={
+        "partition-id": 1, "num-partitions": 4, "client-id": "site-b",
+        "state-dir": str(state_dir)}, state=RecordDict(), run_config={"method": method})
+
+
+def test_personal_state_survives_rounds_and_restarts(tmp_path):
+    context = _context(7, tmp_path)
+    client = Client.from_context(context)
+    assert client.client_id == "site-b"
+    received = ArrayRecord({})
+    model = client.model(received)
+    with torch.no_grad():
+        model.head.weight.add_(1.0)
+    client.keep_personal(model, received)
+    assert (tmp_path / "site-b.pt").exists()
+    head = model.head.weight.detach().clone()
+    # next round, same process: from context.state
+    torch.testing.assert_close(client.model(received).head.weight, head)
+    # SuperNode restart: new Context, empty state, same run -> from state-dir
+    restarted = Client.from_context(_context(7, tmp_path))
+    torch.testing.assert_close(restarted.model(received).head.weight, head)
+    # a different run does not pick up this run's personalization
+    other_run = Client.from_context(_context(8, tmp_path))
+    assert not torch.equal(other_run.model(received).head.weight, head)
+
+
+def test_received_arrays_must_fit_the_model(tmp_path):
+    client = Client.from_context(_context(1, tmp_path))
+    with pytest.raises(ValueError, match="does not fit"):
+        client.model(ArrayRecord({"head.weight": Array(np.zeros((3, 3), np.float32))}))
