@@ -37,9 +37,9 @@ class Method:
 
 
 def _methods() -> list[Method]:
-    from strategies import baselines
+    from strategies import baselines, feddecomp
 
-    return [*baselines.METHODS]
+    return [*baselines.METHODS, feddecomp.METHOD]
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,12 @@ from common.local_federation import LocalFederation
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_PACKAGES = ["server_app", "client_app", "strategies", "models", "fldata", "common"]
+
+
+def app_config(**overrides: Any) -> dict[str, Any]:
+    """The app's run config as Flower builds it: pyproject defaults plus overrides."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {**pyproject["tool"]["flwr"]["app"]["config"], **overrides}
 
 
 @pytest.fixture(scope="session")

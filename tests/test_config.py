@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import tomllib
-
 import pytest
 
 from common.config import ConfigError, RunSettings
-from tests.conftest import ROOT
+from tests.conftest import app_config
 
 
 def defaults() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    return app_config()
 
 
 def test_pyproject_defaults_are_valid_and_hold_every_design_key():
