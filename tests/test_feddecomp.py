@@ -116,10 +116,10 @@ def test_lora_epochs_zero_reproduces_fedavg(tmp_path):
 
 
 def test_config_checks():
-    with pytest.raises(ConfigError, match="feddecomp.lora-epochs"):
+    with pytest.raises(ConfigError, match=r"feddecomp\.lora-epochs"):
         RunSettings.from_run_config(app_config(**{"method": "feddecomp", "local-epochs": 2,
                                                   "feddecomp.lora-epochs": 3}))
-    with pytest.raises(ConfigError, match="feddecomp.rank-conv"):
+    with pytest.raises(ConfigError, match=r"feddecomp\.rank-conv"):
         RunSettings.from_run_config(app_config(**{"method": "feddecomp",
                                                   "feddecomp.rank-conv": 0.0}))
 
