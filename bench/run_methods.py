@@ -4,10 +4,15 @@
         --methods fedavg,fedprox,local,fedper,fedrep,fedbn --supernodes 10 \
         partitioner='"pathological"' classes-per-client=2 num-server-rounds=20
 
+A ``--methods`` entry is ``METHOD[@TAG][:key=value;key=value]``: the row is labelled
+``METHOD@TAG`` and runs with those extra overrides (for sweeps), e.g.
+``feddecomp@r0.25:feddecomp.rank-conv=0.25;feddecomp.rank-linear=0.25``.
+
 Each method runs as ``flwr run . --stream`` on one private local SuperLink (identical data,
 model, seed and evaluation for all). Writes ``bench/results/<name>.md`` (the table and the
 command) and ``bench/results/<name>.json`` (every run's final numbers), and prints the table.
-Seconds per round are the mean over rounds 2.. (round 1 includes Ray's worker start-up).
+Seconds per round are the median over rounds 2.. (round 1 includes Ray's worker start-up;
+the median resists the 2-core machine's noise).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import tomllib
@@ -46,7 +52,7 @@ def summarize(method: str, results: dict[str, Any]) -> dict[str, Any]:
         "accuracy_min": final["accuracy_min"],
         "mb_up_per_round": sum(r["bytes_up"] for r in rounds) / len(rounds) / MB,
         "mb_down_per_round": sum(r["bytes_down"] for r in rounds) / len(rounds) / MB,
-        "seconds_per_round": sum(r["seconds"] for r in steady) / len(steady),
+        "seconds_per_round": statistics.median(r["seconds"] for r in steady),
         "rounds": len(rounds),
     }
 
@@ -60,24 +66,28 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         f"{r['mb_down_per_round']:.3f} | {r['seconds_per_round']:.2f} |\n" for r in rows)
 
 
-def run_methods(methods: list[str], overrides: dict[str, Any], supernodes: int,
-                labels: list[str] | None = None, federation: LocalFederation | None = None,
+def parse_entry(entry: str) -> tuple[str, str, dict[str, Any]]:
+    """``METHOD[@TAG][:k=v;k=v]`` -> (label, method, overrides)."""
+    label, _, extra = entry.partition(":")
+    method = label.split("@", 1)[0]
+    return label, method, parse_overrides([kv for kv in extra.split(";") if kv])
+
+
+def run_methods(entries: list[str], overrides: dict[str, Any], supernodes: int
                 ) -> list[dict[str, Any]]:
-    """Run each method (``labels`` name the rows; a label may carry its own overrides as
-    ``label=method:key=value,...``) and return one summary row per run."""
+    """Run each ``--methods`` entry on one private SuperLink; one summary row per run."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-") as tmp, (
-            federation or LocalFederation()) as fed:
-        for i, method in enumerate(methods):
-            label = labels[i] if labels else method
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp, LocalFederation() as fed:
+        for i, entry in enumerate(entries):
+            label, method, extra = parse_entry(entry)
             out = Path(tmp) / f"{i}-{method}"
-            config = {**overrides, "method": method, "output-dir": str(out), "plot": False}
+            config = {**overrides, **extra, "method": method, "output-dir": str(out),
+                      "plot": False}
             run = fed.run(ROOT, config, num_supernodes=supernodes)
             if not run.ok:
                 print(run.output[-4000:], file=sys.stderr)
                 raise SystemExit(f"{label}: run failed ({run.status})")
-            results = json.loads((out / "results.json").read_text())
-            row = summarize(label, results)
+            row = summarize(label, json.loads((out / "results.json").read_text()))
             rows.append(row)
             print(f"{label}: acc weighted {row['accuracy_weighted']:.4f} "
                   f"min {row['accuracy_min']:.4f} | {row['seconds_per_round']:.2f} s/round",
@@ -92,8 +102,8 @@ def main() -> None:
     parser.add_argument("--supernodes", type=int, default=10)
     parser.add_argument("overrides", nargs="*", help="run-config overrides as key=value (TOML)")
     args = parser.parse_args()
-    methods = args.methods.split(",")
-    rows = run_methods(methods, parse_overrides(args.overrides), args.supernodes)
+    rows = run_methods(args.methods.split(","), parse_overrides(args.overrides),
+                       args.supernodes)
     command = "python bench/run_methods.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table = markdown_table(rows)
     out_dir = ROOT / "bench" / "results"

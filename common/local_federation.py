@@ -40,6 +40,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @dataclass
 class FlowerRun:
     """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
@@ -62,6 +66,7 @@ class LocalFederation:
         self.home = Path(home or self._tmp.name)
         self.http_port, self.control_port = free_port(), free_port()
         self.process: subprocess.Popen | None = None
+        self._previous_sigterm: Any = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -78,6 +83,10 @@ class LocalFederation:
                 "PYTHONUNBUFFERED": "1"}
 
     def __enter__(self) -> LocalFederation:
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (kill, timeout) would skip __exit__ and orphan the SuperLink: turn it
+            # into SystemExit so that the `with` block still stops what it started.
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "config.toml").write_text(
             '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
@@ -116,6 +125,9 @@ class LocalFederation:
                     continue
         if self._tmp is not None:
             self._tmp.cleanup()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def run(self, app_dir: str | Path, run_config: dict[str, Any] | None = None, *,
             num_supernodes: int = 4, cpus_per_client: int = 1, gpus_per_client: float = 0.0,
