@@ -14,7 +14,8 @@ app = ClientApp()
 
 
 def _identity(client: Client) -> ConfigRecord:
-    return ConfigRecord({"client-id": client.client_id, "partition-id": client.partition_id})
+    return ConfigRecord({"client-id": client.client_id, "partition-id": client.partition_id,
+                         **client.method.client_info(client.data, client.settings)})
 
 
 @app.train()
@@ -27,9 +28,10 @@ def train(msg: Message, context: Context) -> Message:
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
-    client.keep_personal(model, received)
+    shared = client.shared_arrays(model)
+    client.keep_personal(model, received, shared)
     return Message(RecordDict({
-        "arrays": client.shared_arrays(model),
+        "arrays": shared,
         "metrics": MetricRecord({"num-examples": len(client.data.y_train),
                                  "train-loss": float(loss)}),
         "client": _identity(client),

@@ -108,11 +108,12 @@ class Client:
         model.load_state_dict({**own, **self.personal_state(), **incoming})
         return model.to(self.device)
 
-    def keep_personal(self, model: nn.Module, received: ArrayRecord) -> None:
-        """Everything the server did not send is personal: keep it in ``context.state`` and,
-        with ``state-dir``, on disk (written atomically)."""
+    def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord) -> None:
+        """Everything that is not both received and sent back is personal (the server will
+        not return it): keep it in ``context.state`` and, with ``state-dir``, on disk
+        (written atomically)."""
         personal = {k: v.detach().cpu() for k, v in model.state_dict().items()
-                    if k not in received}
+                    if not (k in received and k in sent)}
         self.context.state[PERSONAL] = ArrayRecord(personal)
         path = self.state_file
         if path is None:
@@ -124,7 +125,8 @@ class Client:
         os.replace(tmp.name, path)
 
     def shared_arrays(self, model: nn.Module) -> ArrayRecord:
-        """The uplink: exactly the method's shared keys."""
+        """The uplink: exactly the method's shared keys that this client sends."""
         state = model.state_dict()
-        keys = self.method.shared_keys(model, self.settings)
+        keys = self.method.uplink_keys(self.method.shared_keys(model, self.settings),
+                                       self.data, self.settings)
         return ArrayRecord({k: state[k].detach().cpu() for k in keys})

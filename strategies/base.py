@@ -107,8 +107,9 @@ class PersonalizedStrategy(FedAvg):
         """The arrays one client receives; ``client_id`` is None for a node not seen yet."""
         return arrays
 
-    def expected_uplink(self, client_id: str) -> ArraySpec:
-        """key -> (shape, dtype) that a client's train reply must carry exactly."""
+    def expected_uplink(self, client_id: str, info: ConfigRecord) -> ArraySpec:
+        """key -> (shape, dtype) that a client's train reply must carry exactly (``info``:
+        the reply's ``client`` ConfigRecord)."""
         return self.shared_spec
 
     def aggregate_shared(self, server_round: int, replies: list[ClientReply],
@@ -190,7 +191,7 @@ class PersonalizedStrategy(FedAvg):
             raise ReplyError(f"{NUM_EXAMPLES} must be a positive int")
         arrays = content.array_records.get(ARRAYS, ArrayRecord())
         if expect_arrays:
-            self._check_arrays(arrays, self.expected_uplink(client_id))
+            self._check_arrays(arrays, self.expected_uplink(client_id, info))
         return ClientReply(reply.metadata.src_node_id, client_id, arrays, metrics, info)
 
     @staticmethod
@@ -229,7 +230,8 @@ class PersonalizedStrategy(FedAvg):
                 continue
             self.node_to_client[node_id] = checked.client_id
             valid.append(checked)
-        return valid
+        # Reply order is arbitrary; a fixed order makes float sums (and runs) reproducible.
+        return sorted(valid, key=lambda r: _client_order(r.client_id))
 
     # ------------------------------------------------------------------ aggregation
     def aggregate_train(self, server_round: int, replies: Iterable[Message]

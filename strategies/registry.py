@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from client_app.training import LocalTraining
 from common.config import RunSettings
+from fldata import ClientData
 from strategies.base import PersonalizedStrategy
 
 
@@ -26,20 +28,35 @@ def no_checks(settings: RunSettings) -> None:
     return None
 
 
+def same_keys(keys: list[str], data: ClientData, settings: RunSettings) -> list[str]:
+    return keys
+
+
+def nothing_to_report(data: ClientData, settings: RunSettings) -> dict[str, Any]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Method:
+    """A method's pieces. ``shared_keys`` names every key the method may share (the server's
+    initial arrays); ``uplink_keys`` narrows it to what one client sends, given its data
+    (pFedC: only the branches of the classes it holds); ``client_info`` adds values to the
+    reply's ``client`` ConfigRecord (visible to the server, so document them)."""
+
     name: str
     strategy: type[PersonalizedStrategy]
     local_train: Callable[[LocalTraining], float]
     shared_keys: Callable[[nn.Module, RunSettings], list[str]]
     transform: Callable[[nn.Module, RunSettings], nn.Module] = keep_model
     validate: Callable[[RunSettings], None] = no_checks
+    uplink_keys: Callable[[list[str], ClientData, RunSettings], list[str]] = same_keys
+    client_info: Callable[[ClientData, RunSettings], dict[str, Any]] = nothing_to_report
 
 
 def _methods() -> list[Method]:
-    from strategies import baselines, feddecomp
+    from strategies import baselines, feddecomp, pfedc
 
-    return [*baselines.METHODS, feddecomp.METHOD]
+    return [*baselines.METHODS, feddecomp.METHOD, pfedc.METHOD]
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}

@@ -91,7 +91,7 @@ def test_tau_is_personal_and_survives_rounds(tmp_path):
     received = initial_shared_arrays(client.settings)
     assert not any(is_personal_key(k) for k in received)
     model = _train(client, received)
-    client.keep_personal(model, received)
+    client.keep_personal(model, received, client.shared_arrays(model))
     tau = {k: v.clone() for k, v in model.state_dict().items() if is_personal_key(k)}
     assert set(client.shared_arrays(model)) == set(received)
     next_round = client.model(received)  # the server's sigma, this client's own tau
