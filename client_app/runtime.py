@@ -127,6 +127,6 @@ class Client:
     def shared_arrays(self, model: nn.Module) -> ArrayRecord:
         """The uplink: exactly the method's shared keys that this client sends."""
         state = model.state_dict()
-        keys = self.method.uplink_keys(self.method.shared_keys(model, self.settings),
+        keys = self.method.uplink_keys(model, self.method.shared_keys(model, self.settings),
                                        self.data, self.settings)
         return ArrayRecord({k: state[k].detach().cpu() for k in keys})

@@ -73,6 +73,7 @@ class ResultsRecorder:
                 entry["eval"] = record.eval
             if record.dropped:
                 entry["dropped"] = record.dropped
+            entry.update(record.extra)
         self.rounds.append(entry)
         self.write()
         self._progress(entry)

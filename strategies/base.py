@@ -75,6 +75,7 @@ class RoundRecord:
     train: dict[str, Any] | None = None
     eval: dict[str, Any] | None = None
     dropped: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific, e.g. similarities
 
 
 class ReplyError(ValueError):
@@ -231,7 +232,7 @@ class PersonalizedStrategy(FedAvg):
             self.node_to_client[node_id] = checked.client_id
             valid.append(checked)
         # Reply order is arbitrary; a fixed order makes float sums (and runs) reproducible.
-        return sorted(valid, key=lambda r: _client_order(r.client_id))
+        return sorted(valid, key=lambda r: client_order(r.client_id))
 
     # ------------------------------------------------------------------ aggregation
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -281,9 +282,9 @@ def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, An
         "accuracy_min": float(accuracy.min()),
         "num_clients": len(per_client),
         "per_client": {cid: a for cid, (a, _) in sorted(per_client.items(),
-                                                        key=lambda kv: _client_order(kv[0]))},
+                                                        key=lambda kv: client_order(kv[0]))},
     }
 
 
-def _client_order(client_id: str) -> tuple[int, str]:
+def client_order(client_id: str) -> tuple[int, str]:
     return (int(client_id), "") if client_id.isdigit() else (1 << 30, client_id)

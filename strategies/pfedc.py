@@ -107,7 +107,8 @@ class PFedCStrategy(PersonalizedStrategy):
         return {"pfedc": {"task_weights": self.task_weights}}
 
 
-def branch_holding_keys(keys: list[str], data: ClientData, settings: RunSettings) -> list[str]:
+def branch_holding_keys(model: nn.Module, keys: list[str], data: ClientData,
+                        settings: RunSettings) -> list[str]:
     weights = task_weights(data, settings)
     return [k for k in keys if (t := branch_of_key(k)) is None or weights[t] > 0]
 

@@ -28,7 +28,8 @@ def no_checks(settings: RunSettings) -> None:
     return None
 
 
-def same_keys(keys: list[str], data: ClientData, settings: RunSettings) -> list[str]:
+def same_keys(model: nn.Module, keys: list[str], data: ClientData,
+              settings: RunSettings) -> list[str]:
     return keys
 
 
@@ -38,10 +39,11 @@ def nothing_to_report(data: ClientData, settings: RunSettings) -> dict[str, Any]
 
 @dataclass(frozen=True)
 class Method:
-    """A method's pieces. ``shared_keys`` names every key the method may share (the server's
-    initial arrays); ``uplink_keys`` narrows it to what one client sends, given its data
-    (pFedC: only the branches of the classes it holds); ``client_info`` adds values to the
-    reply's ``client`` ConfigRecord (visible to the server, so document them)."""
+    """A method's pieces. ``shared_keys`` names the keys the server sends (its initial
+    arrays); ``uplink_keys`` turns them into what one client sends back, given its data (pFedC:
+    only the branches of the classes it holds; Factorized-FL: plus its matching vector);
+    ``client_info`` adds values to the reply's ``client`` ConfigRecord (visible to the
+    server, so document them)."""
 
     name: str
     strategy: type[PersonalizedStrategy]
@@ -49,17 +51,8 @@ class Method:
     shared_keys: Callable[[nn.Module, RunSettings], list[str]]
     transform: Callable[[nn.Module, RunSettings], nn.Module] = keep_model
     validate: Callable[[RunSettings], None] = no_checks
-    uplink_keys: Callable[[list[str], ClientData, RunSettings], list[str]] = same_keys
+    uplink_keys: Callable[[nn.Module, list[str], ClientData, RunSettings], list[str]] = same_keys
     client_info: Callable[[ClientData, RunSettings], dict[str, Any]] = nothing_to_report
-
-
-def _methods() -> list[Method]:
-    from strategies import baselines, feddecomp, pfedc
-
-    return [*baselines.METHODS, feddecomp.METHOD, pfedc.METHOD]
-
-
-REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}
 
 
 def build_model(settings: RunSettings) -> nn.Module:
@@ -72,3 +65,12 @@ def build_model(settings: RunSettings) -> nn.Module:
     backbone = build_backbone(default_model(settings), input_shape, num_classes,
                               settings.mlp_hidden)
     return REGISTRY[settings.method].transform(backbone, settings)
+
+
+def _methods() -> list[Method]:
+    from strategies import baselines, factorized_fl, feddecomp, pfedc
+
+    return [*baselines.METHODS, feddecomp.METHOD, pfedc.METHOD, factorized_fl.METHOD]
+
+
+REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}

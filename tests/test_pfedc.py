@@ -167,4 +167,4 @@ def test_real_round_sends_different_downlinks_to_different_label_sets(federation
     # round 2's train downlink: phi + the two held branches per client, fewer bytes than all
     assert rounds[1]["bytes_down_train"] < rounds[0]["bytes_down_train"]
     assert rounds[1]["bytes_up"] == rounds[1]["bytes_down_train"]
-    assert ArrayRecord  # noqa: B018 (imported for type completeness)
+    assert ArrayRecord
