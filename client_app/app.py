@@ -28,7 +28,7 @@ def train(msg: Message, context: Context) -> Message:
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
-    shared = client.shared_arrays(model)
+    shared = client.shared_arrays(model, received)
     client.keep_personal(model, received, shared)
     return Message(RecordDict({
         "arrays": shared,

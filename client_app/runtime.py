@@ -100,20 +100,18 @@ class Client:
         """The run's model with this client's personal state, then the received shared
         arrays on top."""
         model = build_model(self.settings)
-        own = model.state_dict()
-        incoming = received.to_torch_state_dict()
-        for key, value in incoming.items():
-            if key not in own or own[key].shape != value.shape:
-                raise ValueError(f"received array {key!r} does not fit the model")
-        model.load_state_dict({**own, **self.personal_state(), **incoming})
+        own = {**model.state_dict(), **self.personal_state()}
+        model.load_state_dict(self.method.merge_received(
+            model, own, received.to_torch_state_dict(), self.settings))
         return model.to(self.device)
 
     def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord) -> None:
         """Everything that is not both received and sent back is personal (the server will
         not return it): keep it in ``context.state`` and, with ``state-dir``, on disk
         (written atomically)."""
+        keep = set(self.method.always_personal(model, self.settings))
         personal = {k: v.detach().cpu() for k, v in model.state_dict().items()
-                    if not (k in received and k in sent)}
+                    if k in keep or not (k in received and k in sent)}
         self.context.state[PERSONAL] = ArrayRecord(personal)
         path = self.state_file
         if path is None:
@@ -124,9 +122,11 @@ class Client:
                         "personal": personal}, tmp)
         os.replace(tmp.name, path)
 
-    def shared_arrays(self, model: nn.Module) -> ArrayRecord:
+    def shared_arrays(self, model: nn.Module, received: ArrayRecord) -> ArrayRecord:
         """The uplink: exactly the method's shared keys that this client sends."""
         state = model.state_dict()
         keys = self.method.uplink_keys(model, self.method.shared_keys(model, self.settings),
                                        self.data, self.settings)
-        return ArrayRecord({k: state[k].detach().cpu() for k in keys})
+        arrays = self.method.shape_uplink(model, {k: state[k].detach().cpu() for k in keys},
+                                          received.to_torch_state_dict(), self.settings)
+        return ArrayRecord(arrays)

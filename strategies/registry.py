@@ -37,13 +37,34 @@ def nothing_to_report(data: ClientData, settings: RunSettings) -> dict[str, Any]
     return {}
 
 
+def overlay(model: nn.Module, own: dict[str, torch.Tensor], incoming: dict[str, torch.Tensor],
+            settings: RunSettings) -> dict[str, torch.Tensor]:
+    """The received arrays replace the client's own entries (same keys, same shapes)."""
+    for key, value in incoming.items():
+        if key not in own or own[key].shape != value.shape:
+            raise ValueError(f"received array {key!r} does not fit the model")
+    return {**own, **incoming}
+
+
+def as_is(model: nn.Module, arrays: dict[str, torch.Tensor], received: dict[str, torch.Tensor],
+          settings: RunSettings) -> dict[str, torch.Tensor]:
+    return arrays
+
+
+def nothing_more(model: nn.Module, settings: RunSettings) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class Method:
     """A method's pieces. ``shared_keys`` names the keys the server sends (its initial
     arrays); ``uplink_keys`` turns them into what one client sends back, given its data (pFedC:
     only the branches of the classes it holds; Factorized-FL: plus its matching vector);
     ``client_info`` adds values to the reply's ``client`` ConfigRecord (visible to the
-    server, so document them)."""
+    server, so document them). For methods that share parts of tensors (FedFac):
+    ``merge_received`` puts the received arrays into the client's own state,
+    ``shape_uplink`` cuts the uplink arrays, and ``always_personal`` names tensors the client
+    keeps even when they also travel."""
 
     name: str
     strategy: type[PersonalizedStrategy]
@@ -53,6 +74,9 @@ class Method:
     validate: Callable[[RunSettings], None] = no_checks
     uplink_keys: Callable[[nn.Module, list[str], ClientData, RunSettings], list[str]] = same_keys
     client_info: Callable[[ClientData, RunSettings], dict[str, Any]] = nothing_to_report
+    merge_received: Callable[..., dict[str, torch.Tensor]] = overlay
+    shape_uplink: Callable[..., dict[str, torch.Tensor]] = as_is
+    always_personal: Callable[[nn.Module, RunSettings], list[str]] = nothing_more
 
 
 def build_model(settings: RunSettings) -> nn.Module:
@@ -68,9 +92,10 @@ def build_model(settings: RunSettings) -> nn.Module:
 
 
 def _methods() -> list[Method]:
-    from strategies import baselines, factorized_fl, feddecomp, pfedc
+    from strategies import baselines, factorized_fl, feddecomp, fedfac, pfedc
 
-    return [*baselines.METHODS, feddecomp.METHOD, pfedc.METHOD, factorized_fl.METHOD]
+    return [*baselines.METHODS, feddecomp.METHOD, pfedc.METHOD, factorized_fl.METHOD,
+            fedfac.METHOD]
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, RecordDict
+from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 
 from client_app.runtime import Client
@@ -98,7 +98,7 @@ def test_matching_weights_sum_to_one_respect_tau_self_and_order():
 def test_uplink_keys(variant):
     client = _client(**{"factorized-fl.variant": variant})
     model = client.model(initial_shared_arrays(client.settings))
-    sent = set(client.shared_arrays(model))
+    sent = set(client.shared_arrays(model, ArrayRecord()))
     match = matching_key(model)
     assert match in sent and not any(k.startswith("head.") for k in sent)
     assert not any("running_" in k for k in sent)
@@ -118,7 +118,7 @@ def test_matching_vector_stays_personal_in_variant_u():
     torch.manual_seed(0)
     client.method.local_train(LocalTraining(model, client.loader(True, 1), client.settings,
                                             client.device, 1))
-    client.keep_personal(model, received, client.shared_arrays(model))
+    client.keep_personal(model, received, client.shared_arrays(model, received))
     torch.testing.assert_close(client.model(received).state_dict()[matching_key(model)],
                                model.state_dict()[matching_key(model)])
 
@@ -136,7 +136,7 @@ def test_real_rounds_uplink_bytes_and_personal_u(federation, tmp_path):
     settings = RunSettings.from_run_config(app_config(**{"method": "factorized-fl"}))
     model = build_model(settings)
     client = _client()
-    sent = client.shared_arrays(client.model(initial_shared_arrays(settings)))
+    sent = client.shared_arrays(client.model(initial_shared_arrays(settings)), ArrayRecord())
     assert rounds[0]["bytes_up"] == 4 * sent.count_bytes()
     assert rounds[0]["bytes_down_train"] == 4 * initial_shared_arrays(settings).count_bytes()
     similarity = rounds[1]["similarity"]

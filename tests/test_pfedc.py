@@ -121,7 +121,7 @@ def _client(pid: int, **overrides) -> Client:
 def test_client_sends_only_branches_it_holds():
     client = _client(0, partitioner="pathological", **{"classes-per-client": 2})
     model = client.model(initial_shared_arrays(client.settings))
-    sent = client.shared_arrays(model)
+    sent = client.shared_arrays(model, ArrayRecord())
     branches = sorted({int(k.split(".")[2]) for k in sent if k.startswith("head.")})
     assert branches == sorted(np.unique(client.data.y_train).tolist())
     assert all(k.startswith("body.") for k in sent if not k.startswith("head."))
@@ -135,7 +135,7 @@ def test_one_task_is_fedavg_with_one_shared_head():
         torch.manual_seed(3)
         client.method.local_train(LocalTraining(model, client.loader(True, 1),
                                                 client.settings, client.device, 1))
-        results.append(client.shared_arrays(model))
+        results.append(client.shared_arrays(model, ArrayRecord()))
     renamed = {k.replace("head.branches.0.", "head."): v for k, v in results[1].items()}
     assert set(renamed) == set(results[0])
     for key, value in renamed.items():
@@ -167,4 +167,3 @@ def test_real_round_sends_different_downlinks_to_different_label_sets(federation
     # round 2's train downlink: phi + the two held branches per client, fewer bytes than all
     assert rounds[1]["bytes_down_train"] < rounds[0]["bytes_down_train"]
     assert rounds[1]["bytes_up"] == rounds[1]["bytes_down_train"]
-    assert ArrayRecord
