@@ -65,8 +65,10 @@ def factor_count(eigenvalues: np.ndarray, kappa: float) -> int:
 
 def principal_axis_loadings(r: np.ndarray, num_factors: int, max_iter: int = 200,
                             tol: float = 1e-6) -> np.ndarray:
-    """Principal-axis factoring of a correlation matrix: loadings ``A`` (elements x G)."""
-    uniqueness = np.zeros(len(r))
+    """Principal-axis factoring of a correlation matrix: loadings ``A`` (elements x G).
+
+    Starts from the squared multiple correlations (the usual initial communalities)."""
+    uniqueness = np.clip(1 / np.clip(np.diag(np.linalg.pinv(r)), 1.0, None), 0, 1)
     for _ in range(max_iter):
         values, vectors = np.linalg.eigh(r - np.diag(uniqueness))
         top = np.argsort(values)[::-1][:num_factors]
