@@ -15,6 +15,7 @@ app = ClientApp()
 
 def _identity(client: Client) -> ConfigRecord:
     return ConfigRecord({"client-id": client.client_id, "partition-id": client.partition_id,
+                         "num-partitions": int(client.context.node_config["num-partitions"]),
                          **client.method.client_info(client.data, client.settings)})
 
 
@@ -49,3 +50,17 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
                                  "accuracy": accuracy}),
         "client": _identity(client),
     }), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Server questions: ``identify`` (who are you), or one of the method's ``actions``."""
+    client = Client.from_context(context)
+    action = str(msg.content["config"]["action"])
+    if action == "identify":
+        return Message(RecordDict({"client": _identity(client)}), reply_to=msg)
+    if action not in client.method.actions:
+        raise ValueError(f"unknown query action {action!r} for method {client.method.name}")
+    content = client.method.actions[action](client, msg)
+    content["client"] = _identity(client)
+    return Message(content, reply_to=msg)

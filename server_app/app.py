@@ -41,7 +41,12 @@ def main(grid: Grid, context: Context) -> None:
                                plot=bool(context.run_config.get("plot", True)))
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
         settings.dataset, settings.partitioner, recorder.out_dir)
-    strategy.start(grid=grid, initial_arrays=initial, num_rounds=settings.num_server_rounds,
-                   timeout=settings.round_timeout, train_config=ConfigRecord(),
-                   evaluate_config=ConfigRecord(), evaluate_fn=recorder.on_round)
+    strategy.identify(grid)
+    result = strategy.start(grid=grid, initial_arrays=initial,
+                            num_rounds=settings.num_server_rounds,
+                            timeout=settings.round_timeout, train_config=ConfigRecord(),
+                            evaluate_config=ConfigRecord(), evaluate_fn=recorder.on_round)
+    extra = strategy.after_training(grid, result.arrays if len(result.arrays) else initial)
+    if extra:
+        recorder.extra.update(extra)
     recorder.finish()

@@ -15,6 +15,7 @@ its downlink, ``expected_uplink``); nothing else.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -99,6 +100,8 @@ class PersonalizedStrategy(FedAvg):
         self.node_to_client: dict[int, str] = {}
         self.history: dict[int, RoundRecord] = {}
         self.per_client_accuracy: dict[str, float] = {}
+        self.client_info: dict[str, dict[str, Any]] = {}  # from the "identify" query
+        self.excluded_clients: set[str] = set()  # never sampled for train/evaluate
         self._dst_of_message: dict[str, int] = {}
         self._sent: list[Message] = []
 
@@ -122,17 +125,53 @@ class PersonalizedStrategy(FedAvg):
         """Server-side per-client tables, keyed by client id (part of the checkpoint)."""
         return {}
 
+    def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
+        """Work after the last round (e.g. FedFac's new-client evaluation); its result goes
+        into results.json."""
+        return None
+
+    # ------------------------------------------------------------------ queries
+    def query(self, grid: Grid, contents: dict[int, RecordDict]) -> list[Message]:
+        """One ``query`` message per node (``contents``: node -> content with an ``action``
+        in its ``config`` record); returns the replies that arrived in time."""
+        messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY)
+                    for node, content in contents.items()]
+        self._sent = messages
+        return list(grid.send_and_receive(messages, timeout=self.settings.round_timeout))
+
+    def identify(self, grid: Grid) -> None:
+        """Ask every connected node who it is, before the first round, so that everything
+        per client is keyed by client id from the start."""
+        nodes = self.eligible_nodes(grid)
+        replies = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({"action": "identify"})})
+                                    for n in nodes})
+        for reply in replies:
+            if reply.has_error() or CLIENT not in reply.content.config_records:
+                log(WARNING, "identify: node %d did not answer (%s)", self._sender(reply),
+                    reply.error.reason if reply.has_error() else "no client record")
+                continue
+            info = dict(reply.content.config_records[CLIENT])
+            self.node_to_client[reply.metadata.src_node_id] = str(info["client-id"])
+            self.client_info[str(info["client-id"])] = info
+        log(INFO, "identify: %d of %d nodes answered", len(self.client_info), len(nodes))
+
     # ------------------------------------------------------------------ messages
     def _record(self, server_round: int) -> RoundRecord:
         return self.history.setdefault(server_round, RoundRecord())
+
+    def eligible_nodes(self, grid: Grid) -> list[int]:
+        """Connected nodes that may be sampled (waits for ``min-nodes``; skips nodes of
+        ``excluded_clients``)."""
+        _, all_nodes = sample_nodes(grid, self.min_available_nodes, 0)
+        return [n for n in all_nodes if self.node_to_client.get(n) not in self.excluded_clients]
 
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                   grid: Grid, fraction: float, message_type: str) -> list[Message]:
         if fraction == 0.0:
             return []
-        num_nodes = len(list(grid.get_node_ids()))
-        sample_size = max(int(num_nodes * fraction), 1)
-        node_ids, _ = sample_nodes(grid, self.min_available_nodes, sample_size)
+        eligible = self.eligible_nodes(grid)
+        node_ids = random.sample(eligible, min(len(eligible),
+                                               max(int(len(eligible) * fraction), 1)))
         messages = []
         for node_id in node_ids:
             client_id = self.node_to_client.get(node_id)

@@ -27,18 +27,21 @@ previous round, and the analysis time.
 from __future__ import annotations
 
 import time
+from logging import INFO
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor, nn
 
 from client_app.training.baselines import train_everything
+from client_app.training.fedfac import ACTIONS, MEMBER_PREFIX
 from common.config import RunSettings, in_range, one_of
 from models.fedfac import analysed_layers, element_keys
-from strategies.base import ArraySpec, ClientReply, PersonalizedStrategy
+from strategies.base import ArraySpec, ClientReply, PersonalizedStrategy, client_order
 from strategies.baselines import all_keys
 from strategies.registry import Method, build_model, overlay
 
@@ -170,6 +173,57 @@ class FedFacStrategy(PersonalizedStrategy):
             out[f"{MASK_PREFIX}{layer}"] = Array(mask.astype(np.uint8))
         return ArrayRecord(out)
 
+    # ------------------------------------------------------------------ new clients
+    def identify(self, grid: Grid) -> None:
+        """Hold the last ``fedfac.new-clients`` fraction of partitions out of training."""
+        super().identify(grid)
+        fraction = self.settings.setting("fedfac.new-clients", float, 0.0)
+        for client_id, info in self.client_info.items():
+            total = int(info["num-partitions"])
+            held_out = max(1, round(fraction * total)) if fraction > 0 else 0
+            if int(info["partition-id"]) >= total - held_out:
+                self.excluded_clients.add(client_id)
+        if self.excluded_clients:
+            log(INFO, "fedfac: new clients held out of training: %s",
+                sorted(self.excluded_clients, key=client_order))
+
+    def _nodes_of(self, clients: set[str]) -> list[int]:
+        return [n for n, c in self.node_to_client.items() if c in clients]
+
+    def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
+        """Table 3 of the paper: new clients with LocalTrain and with Ensemble."""
+        if not self.excluded_clients or self.split is None:
+            return None
+        existing = set(self.client_info) - self.excluded_clients
+        personal = [r for r in self.query(grid, {n: RecordDict({"config": ConfigRecord(
+            {"action": "fedfac.personal"})}) for n in self._nodes_of(existing)})
+            if not r.has_error()]
+        downlink = self.downlink(0, None, arrays)
+        members = dict(arrays.items())
+        for i, reply in enumerate(personal):
+            for key, value in reply.content["arrays"].items():
+                shared = self.split[self.layer_of_key[key]]
+                own = value.numpy().copy()
+                own[shared] = arrays[key].numpy()[shared]  # the final shared rows
+                members[f"{MEMBER_PREFIX}{i}.{key}"] = Array(own)
+        new_nodes = self._nodes_of(self.excluded_clients)
+        report: dict[str, Any] = {"clients": sorted(self.excluded_clients, key=client_order),
+                                  "ensemble_members": len(personal)}
+        for action, payload in (("fedfac.localtrain", downlink),
+                                ("fedfac.ensemble", ArrayRecord(members))):
+            replies = self.query(grid, {n: RecordDict({"arrays": payload, "config": ConfigRecord(
+                {"action": action})}) for n in new_nodes})
+            per_client = {str(r.content["client"]["client-id"]):
+                          float(r.content["metrics"]["accuracy"])
+                          for r in replies if not r.has_error()}
+            name = action.split(".")[1]
+            report[name] = {"per_client": per_client,
+                            "accuracy_mean": float(np.mean(list(per_client.values())))
+                            if per_client else None}
+        log(INFO, "fedfac new clients: LocalTrain %s, Ensemble %s",
+            report["localtrain"]["accuracy_mean"], report["ensemble"]["accuracy_mean"])
+        return {"new_clients": report}
+
     def state_tables(self) -> dict[str, Any]:
         return {"fedfac": {"split": None if self.split is None else {
             layer: np.flatnonzero(mask).tolist() for layer, mask in self.split.items()}}}
@@ -241,4 +295,4 @@ def check(settings: RunSettings) -> None:
 
 METHOD = Method("fedfac", FedFacStrategy, train_everything, all_keys, validate=check,
                 merge_received=merge_shared_rows, shape_uplink=shared_rows_only,
-                always_personal=element_state_keys)
+                always_personal=element_state_keys, actions=ACTIONS)

@@ -8,10 +8,11 @@ method means writing those and adding one line to ``_METHODS`` below.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from flwr.app import RecordDict
 from torch import nn
 
 from client_app.training import LocalTraining
@@ -64,7 +65,8 @@ class Method:
     server, so document them). For methods that share parts of tensors (FedFac):
     ``merge_received`` puts the received arrays into the client's own state,
     ``shape_uplink`` cuts the uplink arrays, and ``always_personal`` names tensors the client
-    keeps even when they also travel."""
+    keeps even when they also travel. ``actions`` answers the server's ``query`` messages
+    (``action`` name -> ``handler(client, message) -> RecordDict``)."""
 
     name: str
     strategy: type[PersonalizedStrategy]
@@ -77,6 +79,7 @@ class Method:
     merge_received: Callable[..., dict[str, torch.Tensor]] = overlay
     shape_uplink: Callable[..., dict[str, torch.Tensor]] = as_is
     always_personal: Callable[[nn.Module, RunSettings], list[str]] = nothing_more
+    actions: dict[str, Callable[..., RecordDict]] = field(default_factory=dict)
 
 
 def build_model(settings: RunSettings) -> nn.Module:

@@ -172,9 +172,19 @@ def test_real_rounds_split_on_the_wire(federation, tmp_path, mode):
     run = federation.run(ROOT, {"method": "fedfac", "fedfac.mode": mode,
                                 "fedfac.layers": "0,1", "fedfac.tau-quantile": 0.5,
                                 "num-server-rounds": 3, "local-epochs": 1, "plot": False,
-                                "output-dir": str(tmp_path)}, num_supernodes=3)
+                                "fedfac.new-clients": 0.25, "output-dir": str(tmp_path)},
+                       num_supernodes=4)
     assert run.ok, run.output[-3000:]
-    rounds = read_results(tmp_path)["rounds"]
+    results = read_results(tmp_path)
+    rounds = results["rounds"]
+    # partition 3 is a new client: never trained or evaluated in the rounds...
+    assert all(r["train"]["num_clients"] == 3 for r in rounds)
+    assert all(sorted(r["eval"]["per_client"]) == ["0", "1", "2"] for r in rounds)
+    # ...then evaluated with LocalTrain and with the Ensemble of the 3 existing clients
+    new = results["new_clients"]
+    assert new["clients"] == ["3"] and new["ensemble_members"] == 3
+    for name in ("localtrain", "ensemble"):
+        assert 0.0 <= new[name]["per_client"]["3"] <= 1.0
     assert all("dropped" not in r for r in rounds)   # uplink shapes matched the split
     analysed = [r["round"] for r in rounds if "fedfac" in r]
     assert analysed == ([1] if mode == "static" else [1, 2, 3])
