@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from common.config import ConfigError, RunSettings
 from fldata import ClientData, load_client_data
-from strategies.registry import REGISTRY, Method, build_model
+from strategies.method import Method
+from strategies.registry import REGISTRY, build_model
 
 PERSONAL = "personal-state"
 

@@ -40,7 +40,7 @@ from strategies.base import (
     spec_of,
 )
 from strategies.baselines import state_keys
-from strategies.registry import Method, build_model
+from strategies.method import Method
 
 VARIANTS = ("u", "uvm")
 
@@ -83,6 +83,8 @@ def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float
 class FactorizedFLStrategy(PersonalizedStrategy):
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
         super().__init__(settings, initial_arrays)
+        from strategies.registry import build_model  # the registry imports this module
+
         model = build_model(settings)
         self.match_key = matching_key(model)
         self.uplink_spec: ArraySpec = {

@@ -39,11 +39,11 @@ from torch import Tensor, nn
 
 from client_app.training.baselines import train_everything
 from client_app.training.fedfac import ACTIONS, MEMBER_PREFIX
-from common.config import RunSettings, in_range, one_of
+from common.config import ConfigError, RunSettings, in_range, one_of
 from models.fedfac import analysed_layers, element_keys
 from strategies.base import ArraySpec, ClientReply, PersonalizedStrategy, client_order
 from strategies.baselines import all_keys
-from strategies.registry import Method, build_model, overlay
+from strategies.method import Method, overlay
 
 MASK_PREFIX = "fedfac.mask."
 
@@ -100,6 +100,8 @@ def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
 class FedFacStrategy(PersonalizedStrategy):
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
         super().__init__(settings, initial_arrays)
+        from strategies.registry import build_model  # the registry imports this module
+
         model = build_model(settings)
         self.layers = analysed_layers(model, settings.setting("fedfac.layers", str))
         self.layer_of_key = {k: layer for layer in self.layers
@@ -109,6 +111,14 @@ class FedFacStrategy(PersonalizedStrategy):
         self.tau_quantile = settings.setting("fedfac.tau-quantile")
         self.server_lr = settings.setting("fedfac.server-lr", float, 1.0)
         self.split: dict[str, np.ndarray] | None = None
+        self.reference = settings.setting("fedfac.split", str, "estimate")
+        self.true_shared = None
+        if settings.dataset == "synthetic-fedfac":
+            from fldata import synthetic_generator
+
+            true = synthetic_generator(settings).true_shared_units()
+            if len(true) == model.get_submodule(self.layers[0]).weight.shape[0]:
+                self.true_shared = true
         self.sliced_uplink = False  # whether this round's clients send only shared rows
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -133,6 +143,7 @@ class FedFacStrategy(PersonalizedStrategy):
             mask, nu, factors = shared_elements(
                 [r.arrays[f"{layer}.weight"].numpy() for r in replies], self.kappa,
                 self.tau_quantile)
+            mask = self._reference_split(layer, mask)
             kept = None if self.split is None else float((self.split[layer] == mask).mean())
             split[layer] = mask
             report[layer] = {"shared": np.flatnonzero(mask).tolist(),
@@ -140,8 +151,24 @@ class FedFacStrategy(PersonalizedStrategy):
                              "num_factors": factors, "kept_fraction": kept,
                              "communalities": np.round(nu, 4).tolist(),
                              "analysis_seconds": time.perf_counter() - start}
+            if self.true_shared is not None and layer == self.layers[0]:
+                report[layer]["true_overlap"] = float(
+                    (mask & self.true_shared).sum() / max(self.true_shared.sum(), 1))
         self.split = split
         self._record(server_round).extra["fedfac"] = report
+
+    def _reference_split(self, layer: str, estimated: np.ndarray) -> np.ndarray:
+        """``fedfac.split``: ``estimate`` (FedFac), or a reference for benchmarks: ``true``
+        (the synthetic generator's split of the first analysed layer's units) or ``random``
+        (as many shared elements as estimated, chosen at random; seeded)."""
+        if self.reference == "true" and layer == self.layers[0]:
+            return self.true_shared.copy()
+        if self.reference == "random":
+            rng = np.random.default_rng([self.settings.seed, len(self.history)])
+            mask = np.zeros_like(estimated)
+            mask[rng.choice(len(mask), int(estimated.sum()), replace=False)] = True
+            return mask
+        return estimated
 
     def aggregate_shared(self, server_round: int, replies: list[ClientReply],
                          arrays: ArrayRecord) -> ArrayRecord:
@@ -285,10 +312,17 @@ def _element_layers(model: nn.Module, settings: RunSettings) -> dict[str, str]:
 
 def check(settings: RunSettings) -> None:
     one_of("fedfac.mode", settings.setting("fedfac.mode", str), ["static", "dynamic"])
+    split = one_of("fedfac.split", settings.setting("fedfac.split", str, "estimate"),
+                   ["estimate", "true", "random"])
+    if split == "true" and settings.dataset != "synthetic-fedfac":
+        raise ConfigError("fedfac.split: 'true' needs dataset synthetic-fedfac; allowed "
+                          "elsewhere: estimate, random")
     in_range("fedfac.kappa", settings.setting("fedfac.kappa"), 0, 1, low_open=True)
     settings.setting("fedfac.tau-quantile")
     in_range("fedfac.server-lr", settings.setting("fedfac.server-lr", float, 1.0), 0,
              low_open=True)
+    from strategies.registry import build_model  # the registry imports this module
+
     with torch.device("meta"):
         analysed_layers(build_model(settings), settings.setting("fedfac.layers", str))
 

@@ -31,7 +31,7 @@ from fldata import ClientData, dataset_shape
 from models.pfedc import branch_of_key, task_groups, with_branches
 from strategies.base import NUM_EXAMPLES, ArraySpec, ClientReply, PersonalizedStrategy, ReplyError
 from strategies.baselines import state_keys
-from strategies.registry import Method
+from strategies.method import Method
 
 TASK_WEIGHTS = "pfedc.task-weights"
 
