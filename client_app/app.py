@@ -30,7 +30,7 @@ def train(msg: Message, context: Context) -> Message:
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
     shared = client.shared_arrays(model, received)
-    client.keep_personal(model, received, shared)
+    client.keep_personal(model, received, shared, server_round)
     return Message(RecordDict({
         "arrays": shared,
         "metrics": MetricRecord({"num-examples": len(client.data.y_train),

@@ -7,10 +7,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
+from logging import INFO
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, Context
+from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -94,6 +96,8 @@ class Client:
         if path is not None and path.exists():
             saved = torch.load(path, map_location="cpu", weights_only=True)
             if saved.get("run-id") == self.context.run_id:
+                log(INFO, "client %s: restored personal state from %s (round %s)",
+                    self.client_id, path, saved.get("round"))
                 return saved["personal"]
         return {}
 
@@ -106,7 +110,8 @@ class Client:
             model, own, received.to_torch_state_dict(), self.settings))
         return model.to(self.device)
 
-    def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord) -> None:
+    def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord,
+                      server_round: int = 0) -> None:
         """Everything that is not both received and sent back is personal (the server will
         not return it): keep it in ``context.state`` and, with ``state-dir``, on disk
         (written atomically)."""
@@ -120,7 +125,7 @@ class Client:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
             torch.save({"run-id": self.context.run_id, "method": self.settings.method,
-                        "personal": personal}, tmp)
+                        "round": server_round, "personal": personal}, tmp)
         os.replace(tmp.name, path)
 
     def shared_arrays(self, model: nn.Module, received: ArrayRecord) -> ArrayRecord:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -33,7 +34,7 @@ from flwr.app import (
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from common.config import RunSettings
 
@@ -160,10 +161,27 @@ class PersonalizedStrategy(FedAvg):
         return self.history.setdefault(server_round, RoundRecord())
 
     def eligible_nodes(self, grid: Grid) -> list[int]:
-        """Connected nodes that may be sampled (waits for ``min-nodes``; skips nodes of
-        ``excluded_clients``)."""
-        _, all_nodes = sample_nodes(grid, self.min_available_nodes, 0)
-        return [n for n in all_nodes if self.node_to_client.get(n) not in self.excluded_clients]
+        """Connected nodes that may be sampled, skipping nodes of ``excluded_clients``.
+
+        Waits for ``min-nodes`` nodes, but at most ``round-timeout`` seconds: then it goes on
+        with the nodes there are (a dead node must not stall the run), and fails with a clear
+        error only if there are none."""
+        deadline = time.monotonic() + self.settings.round_timeout
+        while True:
+            nodes = list(grid.get_node_ids())
+            if len(nodes) >= self.min_available_nodes:
+                break
+            if time.monotonic() >= deadline:
+                if not nodes:
+                    raise RuntimeError(f"no node connected within round-timeout "
+                                       f"({self.settings.round_timeout:.0f} s)")
+                log(WARNING, "only %d of min-nodes=%d nodes connected after %.0f s; going on",
+                    len(nodes), self.min_available_nodes, self.settings.round_timeout)
+                break
+            log(INFO, "waiting for nodes: %d connected, min-nodes=%d", len(nodes),
+                self.min_available_nodes)
+            time.sleep(1)
+        return [n for n in nodes if self.node_to_client.get(n) not in self.excluded_clients]
 
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                   grid: Grid, fraction: float, message_type: str) -> list[Message]:
@@ -254,6 +272,17 @@ class PersonalizedStrategy(FedAvg):
                        metric_keys: tuple[str, ...], expect_arrays: bool) -> list[ClientReply]:
         record = self._record(server_round)
         valid = []
+        replies = list(replies)
+        answered = {self._sender(r) for r in replies}
+        for message in self._sent:
+            node_id = message.metadata.dst_node_id
+            if node_id not in answered:  # the round timed out before this node replied
+                client_id = self.node_to_client.get(node_id, "?")
+                reason = f"no reply within round-timeout ({self.settings.round_timeout:.0f} s)"
+                log(WARNING, "round %d %s: node %d (client %s): %s", server_round, stage,
+                    node_id, client_id, reason)
+                record.dropped.append({"stage": stage, "node": node_id, "client": client_id,
+                                       "reason": reason})
         for reply in replies:
             node_id = self._sender(reply)
             if stage == "train" and not reply.has_error():
