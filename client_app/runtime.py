@@ -95,7 +95,9 @@ class Client:
         path = self.state_file
         if path is not None and path.exists():
             saved = torch.load(path, map_location="cpu", weights_only=True)
-            if saved.get("run-id") == self.context.run_id:
+            # Same run (a restarted SuperNode), or a run resumed from a checkpoint.
+            resumed = bool(self.context.run_config.get("resume-from", ""))
+            if saved.get("run-id") == self.context.run_id or resumed:
                 log(INFO, "client %s: restored personal state from %s (round %s)",
                     self.client_id, path, saved.get("round"))
                 return saved["personal"]

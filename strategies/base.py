@@ -126,6 +126,13 @@ class PersonalizedStrategy(FedAvg):
         """Server-side per-client tables, keyed by client id (part of the checkpoint)."""
         return {}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this strategy needs to continue a run (picklable)."""
+        return {"per_client_accuracy": self.per_client_accuracy}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.per_client_accuracy = dict(state["per_client_accuracy"])
+
     def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
         """Work after the last round (e.g. FedFac's new-client evaluation); its result goes
         into results.json."""

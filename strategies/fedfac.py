@@ -251,6 +251,13 @@ class FedFacStrategy(PersonalizedStrategy):
             report["localtrain"]["accuracy_mean"], report["ensemble"]["accuracy_mean"])
         return {"new_clients": report}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {**super().checkpoint_state(), "split": self.split}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        super().restore_state(state)
+        self.split = state["split"]
+
     def state_tables(self) -> dict[str, Any]:
         return {"fedfac": {"split": None if self.split is None else {
             layer: np.flatnonzero(mask).tolist() for layer, mask in self.split.items()}}}

@@ -106,6 +106,14 @@ class PFedCStrategy(PersonalizedStrategy):
     def state_tables(self) -> dict[str, Any]:
         return {"pfedc": {"task_weights": self.task_weights}}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {**super().checkpoint_state(), "task_weights": self.task_weights,
+                "branches": self.branches}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        super().restore_state(state)
+        self.task_weights, self.branches = state["task_weights"], state["branches"]
+
 
 def branch_holding_keys(model: nn.Module, keys: list[str], data: ClientData,
                         settings: RunSettings) -> list[str]:
