@@ -63,7 +63,7 @@ def _wait_for(predicate, timeout: float) -> None:
 
 def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     out = tmp_path / "out"
-    timeout = 45.0
+    timeout = 60.0
     config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 3,
               "round-timeout": timeout, "output-dir": str(out)}
     with LocalDeployment(3, home=tmp_path / "home") as deployment:
