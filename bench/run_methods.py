@@ -40,6 +40,47 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                                    (item.split("=", 1) for item in items)))
 
 
+def same_domain_weight(results: dict[str, Any]) -> float | None:
+    """Factorized-FL in the domain scenario: mean share of a client's matching weight (self
+    excluded) that lands on clients of its own domain (domain = partition id mod groups)."""
+    config = results["config"]
+    similarity = next((r["similarity"] for r in reversed(results["rounds"])
+                       if "similarity" in r), None)
+    if similarity is None or config.get("partitioner") != "domain":
+        return None
+    groups = int(config["domain-groups"])
+    clients = [int(c) for c in similarity["clients"]]
+    weights = similarity["weights"]
+    shares = []
+    for row, k in enumerate(clients):
+        others = [(w, i) for w, i in zip(weights[row], clients, strict=True) if i != k]
+        total = sum(w for w, _ in others)
+        if total > 0:
+            shares.append(sum(w for w, i in others if i % groups == k % groups) / total)
+    return sum(shares) / len(shares) if shares else None
+
+
+def notes(results: dict[str, Any]) -> str:
+    """Method-specific facts for the table's last column."""
+    parts = []
+    share = same_domain_weight(results)
+    if share is not None:
+        parts.append(f"same-domain weight {share:.2f}")
+    analyses = [r["fedfac"] for r in results["rounds"] if "fedfac" in r]
+    if analyses:
+        for layer, last in analyses[-1].items():
+            parts.append(f"{layer}: {last['num_shared']}/{last['num_elements']} shared")
+            if "true_overlap" in last:
+                parts.append(f"overlap with true {last['true_overlap']:.2f}")
+        seconds = [sum(v["analysis_seconds"] for v in a.values()) for a in analyses]
+        parts.append(f"FA {sum(seconds) / len(seconds) * 1000:.0f} ms/analysis")
+    new = results.get("new_clients")
+    if new:
+        parts.append(f"new clients: LocalTrain {new['localtrain']['accuracy_mean']:.4f}, "
+                     f"Ensemble {new['ensemble']['accuracy_mean']:.4f}")
+    return "; ".join(parts)
+
+
 def summarize(method: str, results: dict[str, Any]) -> dict[str, Any]:
     rounds = results["rounds"]
     steady = rounds[1:] or rounds
@@ -54,16 +95,20 @@ def summarize(method: str, results: dict[str, Any]) -> dict[str, Any]:
         "mb_down_per_round": sum(r["bytes_down"] for r in rounds) / len(rounds) / MB,
         "seconds_per_round": statistics.median(r["seconds"] for r in steady),
         "rounds": len(rounds),
+        "notes": notes(results),
     }
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    with_notes = any(r.get("notes") for r in rows)
     header = ("| method | acc weighted | acc mean | acc std | acc min | MB up/round "
-              "| MB down/round | s/round |\n|---|---|---|---|---|---|---|---|\n")
+              "| MB down/round | s/round |" + (" notes |" if with_notes else "") +
+              "\n|---|---|---|---|---|---|---|---|" + ("---|" if with_notes else "") + "\n")
     return header + "".join(
         f"| {r['method']} | {r['accuracy_weighted']:.4f} | {r['accuracy_mean']:.4f} | "
-        f"{r['accuracy_std']:.4f} | {r['accuracy_min']:.4f} | {r['mb_up_per_round']:.3f} | "
-        f"{r['mb_down_per_round']:.3f} | {r['seconds_per_round']:.2f} |\n" for r in rows)
+        f"{r['accuracy_std']:.4f} | {r['accuracy_min']:.4f} | {r['mb_up_per_round']:.4f} | "
+        f"{r['mb_down_per_round']:.4f} | {r['seconds_per_round']:.2f} |"
+        + (f" {r.get('notes', '')} |" if with_notes else "") + "\n" for r in rows)
 
 
 def parse_entry(entry: str) -> tuple[str, str, dict[str, Any]]:

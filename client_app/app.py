@@ -14,7 +14,9 @@ app = ClientApp()
 
 
 def _identity(client: Client) -> ConfigRecord:
-    return ConfigRecord({"client-id": client.client_id, "partition-id": client.partition_id})
+    return ConfigRecord({"client-id": client.client_id, "partition-id": client.partition_id,
+                         "num-partitions": int(client.context.node_config["num-partitions"]),
+                         **client.method.client_info(client.data, client.settings)})
 
 
 @app.train()
@@ -27,9 +29,10 @@ def train(msg: Message, context: Context) -> Message:
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
-    client.keep_personal(model, received)
+    shared = client.shared_arrays(model, received)
+    client.keep_personal(model, received, shared, server_round)
     return Message(RecordDict({
-        "arrays": client.shared_arrays(model),
+        "arrays": shared,
         "metrics": MetricRecord({"num-examples": len(client.data.y_train),
                                  "train-loss": float(loss)}),
         "client": _identity(client),
@@ -47,3 +50,17 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
                                  "accuracy": accuracy}),
         "client": _identity(client),
     }), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Server questions: ``identify`` (who are you), or one of the method's ``actions``."""
+    client = Client.from_context(context)
+    action = str(msg.content["config"]["action"])
+    if action == "identify":
+        return Message(RecordDict({"client": _identity(client)}), reply_to=msg)
+    if action not in client.method.actions:
+        raise ValueError(f"unknown query action {action!r} for method {client.method.name}")
+    content = client.method.actions[action](client, msg)
+    content["client"] = _identity(client)
+    return Message(content, reply_to=msg)

@@ -7,16 +7,19 @@ import os
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
+from logging import INFO
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, Context
+from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.config import ConfigError, RunSettings
 from fldata import ClientData, load_client_data
-from strategies.registry import REGISTRY, Method, build_model
+from strategies.method import Method
+from strategies.registry import REGISTRY, build_model
 
 PERSONAL = "personal-state"
 
@@ -92,7 +95,11 @@ class Client:
         path = self.state_file
         if path is not None and path.exists():
             saved = torch.load(path, map_location="cpu", weights_only=True)
-            if saved.get("run-id") == self.context.run_id:
+            # Same run (a restarted SuperNode), or a run resumed from a checkpoint.
+            resumed = bool(self.context.run_config.get("resume-from", ""))
+            if saved.get("run-id") == self.context.run_id or resumed:
+                log(INFO, "client %s: restored personal state from %s (round %s)",
+                    self.client_id, path, saved.get("round"))
                 return saved["personal"]
         return {}
 
@@ -100,19 +107,19 @@ class Client:
         """The run's model with this client's personal state, then the received shared
         arrays on top."""
         model = build_model(self.settings)
-        own = model.state_dict()
-        incoming = received.to_torch_state_dict()
-        for key, value in incoming.items():
-            if key not in own or own[key].shape != value.shape:
-                raise ValueError(f"received array {key!r} does not fit the model")
-        model.load_state_dict({**own, **self.personal_state(), **incoming})
+        own = {**model.state_dict(), **self.personal_state()}
+        model.load_state_dict(self.method.merge_received(
+            model, own, received.to_torch_state_dict(), self.settings))
         return model.to(self.device)
 
-    def keep_personal(self, model: nn.Module, received: ArrayRecord) -> None:
-        """Everything the server did not send is personal: keep it in ``context.state`` and,
-        with ``state-dir``, on disk (written atomically)."""
+    def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord,
+                      server_round: int = 0) -> None:
+        """Everything that is not both received and sent back is personal (the server will
+        not return it): keep it in ``context.state`` and, with ``state-dir``, on disk
+        (written atomically)."""
+        keep = set(self.method.always_personal(model, self.settings))
         personal = {k: v.detach().cpu() for k, v in model.state_dict().items()
-                    if k not in received}
+                    if k in keep or not (k in received and k in sent)}
         self.context.state[PERSONAL] = ArrayRecord(personal)
         path = self.state_file
         if path is None:
@@ -120,11 +127,14 @@ class Client:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
             torch.save({"run-id": self.context.run_id, "method": self.settings.method,
-                        "personal": personal}, tmp)
+                        "round": server_round, "personal": personal}, tmp)
         os.replace(tmp.name, path)
 
-    def shared_arrays(self, model: nn.Module) -> ArrayRecord:
-        """The uplink: exactly the method's shared keys."""
+    def shared_arrays(self, model: nn.Module, received: ArrayRecord) -> ArrayRecord:
+        """The uplink: exactly the method's shared keys that this client sends."""
         state = model.state_dict()
-        keys = self.method.shared_keys(model, self.settings)
-        return ArrayRecord({k: state[k].detach().cpu() for k in keys})
+        keys = self.method.uplink_keys(model, self.method.shared_keys(model, self.settings),
+                                       self.data, self.settings)
+        arrays = self.method.shape_uplink(model, {k: state[k].detach().cpu() for k in keys},
+                                          received.to_torch_state_dict(), self.settings)
+        return ArrayRecord(arrays)

@@ -132,13 +132,20 @@ class LocalFederation:
     def run(self, app_dir: str | Path, run_config: dict[str, Any] | None = None, *,
             num_supernodes: int = 4, cpus_per_client: int = 1, gpus_per_client: float = 0.0,
             timeout: float = 900, echo: bool = False) -> FlowerRun:
-        """``flwr run APP --stream`` with ``run_config`` overrides; returns when it ends.
+        """``flwr run APP --stream`` with ``run_config`` overrides; returns when it ends."""
+        federation = ["--federation-config",
+                      f"num-supernodes={num_supernodes} client-resources-num-cpus="
+                      f"{cpus_per_client} client-resources-num-gpus={gpus_per_client}"]
+        return self.flwr_run(app_dir, run_config, federation, timeout=timeout, echo=echo)
+
+    def flwr_run(self, app_dir: str | Path, run_config: dict[str, Any] | None,
+                 extra_args: list[str], *, timeout: float = 900, echo: bool = False
+                 ) -> FlowerRun:
+        """``flwr run APP --stream [extra_args]`` on the default connection.
 
         ``flwr run --stream`` exits 0 even when the ServerApp fails, so the run's final
         status is read back from the SuperLink (``flwr ls --run-id``)."""
-        command = ["flwr", "run", str(app_dir), "--stream", "--federation-config",
-                   f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
-                   f" client-resources-num-gpus={gpus_per_client}"]
+        command = ["flwr", "run", str(app_dir), "--stream", *extra_args]
         if run_config:
             overrides = self.home / f"run-config-{time.monotonic_ns()}.toml"
             overrides.write_text(tomli_w.dumps(run_config))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import random
 from logging import ERROR, INFO
 
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from common.config import ConfigError, RunSettings
 from server_app.results import ResultsRecorder, output_dir
+from server_app.rounds import load_checkpoint, resume, run_rounds
 from strategies.registry import REGISTRY, build_model
 
 app = ServerApp()
@@ -41,7 +42,14 @@ def main(grid: Grid, context: Context) -> None:
                                plot=bool(context.run_config.get("plot", True)))
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
         settings.dataset, settings.partitioner, recorder.out_dir)
-    strategy.start(grid=grid, initial_arrays=initial, num_rounds=settings.num_server_rounds,
-                   timeout=settings.round_timeout, train_config=ConfigRecord(),
-                   evaluate_config=ConfigRecord(), evaluate_fn=recorder.on_round)
+    first_round, arrays = 1, initial
+    resume_from = str(context.run_config.get("resume-from", ""))
+    if resume_from:
+        first_round, arrays = resume(load_checkpoint(resume_from), strategy, recorder)
+    strategy.identify(grid)
+    arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
+                        settings.num_server_rounds)
+    extra = strategy.after_training(grid, arrays)
+    if extra:
+        recorder.extra.update(extra)
     recorder.finish()

@@ -46,6 +46,7 @@ class ResultsRecorder:
         self.out_dir = out_dir
         self.plot = plot
         self.rounds: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}  # after-training results (e.g. FedFac's new clients)
         self._t_start = self._t_round = time.monotonic()
         out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -73,6 +74,7 @@ class ResultsRecorder:
                 entry["eval"] = record.eval
             if record.dropped:
                 entry["dropped"] = record.dropped
+            entry.update(record.extra)
         self.rounds.append(entry)
         self.write()
         self._progress(entry)
@@ -100,7 +102,7 @@ class ResultsRecorder:
 
     def payload(self) -> dict[str, Any]:
         return {"method": self.settings.method, "config": dict(self.settings.raw),
-                "rounds": self.rounds, "final": self.final(),
+                "rounds": self.rounds, "final": self.final(), **self.extra,
                 "server_state": {"node_to_client": {str(k): v for k, v in
                                                     self.strategy.node_to_client.items()},
                                  **self.strategy.state_tables()}}

@@ -15,6 +15,8 @@ its downlink, ``expected_uplink``); nothing else.
 from __future__ import annotations
 
 import math
+import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -32,7 +34,7 @@ from flwr.app import (
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from common.config import RunSettings
 
@@ -75,6 +77,7 @@ class RoundRecord:
     train: dict[str, Any] | None = None
     eval: dict[str, Any] | None = None
     dropped: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific, e.g. similarities
 
 
 class ReplyError(ValueError):
@@ -98,6 +101,8 @@ class PersonalizedStrategy(FedAvg):
         self.node_to_client: dict[int, str] = {}
         self.history: dict[int, RoundRecord] = {}
         self.per_client_accuracy: dict[str, float] = {}
+        self.client_info: dict[str, dict[str, Any]] = {}  # from the "identify" query
+        self.excluded_clients: set[str] = set()  # never sampled for train/evaluate
         self._dst_of_message: dict[str, int] = {}
         self._sent: list[Message] = []
 
@@ -107,8 +112,9 @@ class PersonalizedStrategy(FedAvg):
         """The arrays one client receives; ``client_id`` is None for a node not seen yet."""
         return arrays
 
-    def expected_uplink(self, client_id: str) -> ArraySpec:
-        """key -> (shape, dtype) that a client's train reply must carry exactly."""
+    def expected_uplink(self, client_id: str, info: ConfigRecord) -> ArraySpec:
+        """key -> (shape, dtype) that a client's train reply must carry exactly (``info``:
+        the reply's ``client`` ConfigRecord)."""
         return self.shared_spec
 
     def aggregate_shared(self, server_round: int, replies: list[ClientReply],
@@ -120,17 +126,77 @@ class PersonalizedStrategy(FedAvg):
         """Server-side per-client tables, keyed by client id (part of the checkpoint)."""
         return {}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this strategy needs to continue a run (picklable)."""
+        return {"per_client_accuracy": self.per_client_accuracy}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.per_client_accuracy = dict(state["per_client_accuracy"])
+
+    def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
+        """Work after the last round (e.g. FedFac's new-client evaluation); its result goes
+        into results.json."""
+        return None
+
+    # ------------------------------------------------------------------ queries
+    def query(self, grid: Grid, contents: dict[int, RecordDict]) -> list[Message]:
+        """One ``query`` message per node (``contents``: node -> content with an ``action``
+        in its ``config`` record); returns the replies that arrived in time."""
+        messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY)
+                    for node, content in contents.items()]
+        self._sent = messages
+        return list(grid.send_and_receive(messages, timeout=self.settings.round_timeout))
+
+    def identify(self, grid: Grid) -> None:
+        """Ask every connected node who it is, before the first round, so that everything
+        per client is keyed by client id from the start."""
+        nodes = self.eligible_nodes(grid)
+        replies = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({"action": "identify"})})
+                                    for n in nodes})
+        for reply in replies:
+            if reply.has_error() or CLIENT not in reply.content.config_records:
+                log(WARNING, "identify: node %d did not answer (%s)", self._sender(reply),
+                    reply.error.reason if reply.has_error() else "no client record")
+                continue
+            info = dict(reply.content.config_records[CLIENT])
+            self.node_to_client[reply.metadata.src_node_id] = str(info["client-id"])
+            self.client_info[str(info["client-id"])] = info
+        log(INFO, "identify: %d of %d nodes answered", len(self.client_info), len(nodes))
+
     # ------------------------------------------------------------------ messages
     def _record(self, server_round: int) -> RoundRecord:
         return self.history.setdefault(server_round, RoundRecord())
+
+    def eligible_nodes(self, grid: Grid) -> list[int]:
+        """Connected nodes that may be sampled, skipping nodes of ``excluded_clients``.
+
+        Waits for ``min-nodes`` nodes, but at most ``round-timeout`` seconds: then it goes on
+        with the nodes there are (a dead node must not stall the run), and fails with a clear
+        error only if there are none."""
+        deadline = time.monotonic() + self.settings.round_timeout
+        while True:
+            nodes = list(grid.get_node_ids())
+            if len(nodes) >= self.min_available_nodes:
+                break
+            if time.monotonic() >= deadline:
+                if not nodes:
+                    raise RuntimeError(f"no node connected within round-timeout "
+                                       f"({self.settings.round_timeout:.0f} s)")
+                log(WARNING, "only %d of min-nodes=%d nodes connected after %.0f s; going on",
+                    len(nodes), self.min_available_nodes, self.settings.round_timeout)
+                break
+            log(INFO, "waiting for nodes: %d connected, min-nodes=%d", len(nodes),
+                self.min_available_nodes)
+            time.sleep(1)
+        return [n for n in nodes if self.node_to_client.get(n) not in self.excluded_clients]
 
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                   grid: Grid, fraction: float, message_type: str) -> list[Message]:
         if fraction == 0.0:
             return []
-        num_nodes = len(list(grid.get_node_ids()))
-        sample_size = max(int(num_nodes * fraction), 1)
-        node_ids, _ = sample_nodes(grid, self.min_available_nodes, sample_size)
+        eligible = self.eligible_nodes(grid)
+        node_ids = random.sample(eligible, min(len(eligible),
+                                               max(int(len(eligible) * fraction), 1)))
         messages = []
         for node_id in node_ids:
             client_id = self.node_to_client.get(node_id)
@@ -190,7 +256,7 @@ class PersonalizedStrategy(FedAvg):
             raise ReplyError(f"{NUM_EXAMPLES} must be a positive int")
         arrays = content.array_records.get(ARRAYS, ArrayRecord())
         if expect_arrays:
-            self._check_arrays(arrays, self.expected_uplink(client_id))
+            self._check_arrays(arrays, self.expected_uplink(client_id, info))
         return ClientReply(reply.metadata.src_node_id, client_id, arrays, metrics, info)
 
     @staticmethod
@@ -213,6 +279,17 @@ class PersonalizedStrategy(FedAvg):
                        metric_keys: tuple[str, ...], expect_arrays: bool) -> list[ClientReply]:
         record = self._record(server_round)
         valid = []
+        replies = list(replies)
+        answered = {self._sender(r) for r in replies}
+        for message in self._sent:
+            node_id = message.metadata.dst_node_id
+            if node_id not in answered:  # the round timed out before this node replied
+                client_id = self.node_to_client.get(node_id, "?")
+                reason = f"no reply within round-timeout ({self.settings.round_timeout:.0f} s)"
+                log(WARNING, "round %d %s: node %d (client %s): %s", server_round, stage,
+                    node_id, client_id, reason)
+                record.dropped.append({"stage": stage, "node": node_id, "client": client_id,
+                                       "reason": reason})
         for reply in replies:
             node_id = self._sender(reply)
             if stage == "train" and not reply.has_error():
@@ -229,7 +306,8 @@ class PersonalizedStrategy(FedAvg):
                 continue
             self.node_to_client[node_id] = checked.client_id
             valid.append(checked)
-        return valid
+        # Reply order is arbitrary; a fixed order makes float sums (and runs) reproducible.
+        return sorted(valid, key=lambda r: client_order(r.client_id))
 
     # ------------------------------------------------------------------ aggregation
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -279,9 +357,9 @@ def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, An
         "accuracy_min": float(accuracy.min()),
         "num_clients": len(per_client),
         "per_client": {cid: a for cid, (a, _) in sorted(per_client.items(),
-                                                        key=lambda kv: _client_order(kv[0]))},
+                                                        key=lambda kv: client_order(kv[0]))},
     }
 
 
-def _client_order(client_id: str) -> tuple[int, str]:
+def client_order(client_id: str) -> tuple[int, str]:
     return (int(client_id), "") if client_id.isdigit() else (1 << 30, client_id)

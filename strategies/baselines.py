@@ -11,7 +11,7 @@ from torch import nn
 from client_app.training.baselines import train_everything, train_fedprox, train_fedrep
 from common.config import ConfigError, RunSettings, in_range
 from strategies.base import PersonalizedStrategy
-from strategies.registry import Method
+from strategies.method import Method
 
 
 def state_keys(model: nn.Module) -> list[str]:

@@ -16,7 +16,7 @@ from common.config import ConfigError, RunSettings, in_range
 from models.feddecomp import decompose, is_personal_key
 from strategies.base import PersonalizedStrategy
 from strategies.baselines import state_keys
-from strategies.registry import Method
+from strategies.method import Method
 
 
 def sigma_keys(model: nn.Module, settings: RunSettings) -> list[str]:

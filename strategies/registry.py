@@ -1,48 +1,17 @@
-"""The method registry: ``method`` name -> the four pieces that make a method (DESIGN 7).
+"""The method registry: ``method`` name -> its ``Method`` (see ``strategies/method.py``).
 
 A method is its model transform (``models/``), the rule naming its shared parameters, its
 local training step (``client_app/training/``) and its strategy (``strategies/``). Adding a
-method means writing those and adding one line to ``_METHODS`` below.
+method means writing those and adding it to ``_methods()`` below: one line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from client_app.training import LocalTraining
 from common.config import RunSettings
-from strategies.base import PersonalizedStrategy
-
-
-def keep_model(model: nn.Module, settings: RunSettings) -> nn.Module:
-    return model
-
-
-def no_checks(settings: RunSettings) -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    strategy: type[PersonalizedStrategy]
-    local_train: Callable[[LocalTraining], float]
-    shared_keys: Callable[[nn.Module, RunSettings], list[str]]
-    transform: Callable[[nn.Module, RunSettings], nn.Module] = keep_model
-    validate: Callable[[RunSettings], None] = no_checks
-
-
-def _methods() -> list[Method]:
-    from strategies import baselines, feddecomp
-
-    return [*baselines.METHODS, feddecomp.METHOD]
-
-
-REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}
+from strategies.method import Method
 
 
 def build_model(settings: RunSettings) -> nn.Module:
@@ -55,3 +24,13 @@ def build_model(settings: RunSettings) -> nn.Module:
     backbone = build_backbone(default_model(settings), input_shape, num_classes,
                               settings.mlp_hidden)
     return REGISTRY[settings.method].transform(backbone, settings)
+
+
+def _methods() -> list[Method]:
+    from strategies import baselines, factorized_fl, feddecomp, fedfac, pfedc
+
+    return [*baselines.METHODS, feddecomp.METHOD, pfedc.METHOD, factorized_fl.METHOD,
+            fedfac.METHOD]
+
+
+REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}

@@ -91,9 +91,9 @@ def test_tau_is_personal_and_survives_rounds(tmp_path):
     received = initial_shared_arrays(client.settings)
     assert not any(is_personal_key(k) for k in received)
     model = _train(client, received)
-    client.keep_personal(model, received)
+    client.keep_personal(model, received, client.shared_arrays(model, received))
     tau = {k: v.clone() for k, v in model.state_dict().items() if is_personal_key(k)}
-    assert set(client.shared_arrays(model)) == set(received)
+    assert set(client.shared_arrays(model, received)) == set(received)
     next_round = client.model(received)  # the server's sigma, this client's own tau
     for key, value in tau.items():
         torch.testing.assert_close(next_round.state_dict()[key], value)
@@ -107,8 +107,8 @@ def test_lora_epochs_zero_reproduces_fedavg(tmp_path):
     assert set(received_avg) == set(received_dec)
     for key in received_avg:
         torch.testing.assert_close(received_avg[key].numpy(), received_dec[key].numpy())
-    shared_avg = fedavg.shared_arrays(_train(fedavg, received_avg))
-    shared_dec = decomp.shared_arrays(_train(decomp, received_dec))
+    shared_avg = fedavg.shared_arrays(_train(fedavg, received_avg), received_avg)
+    shared_dec = decomp.shared_arrays(_train(decomp, received_dec), received_dec)
     assert set(shared_avg) == set(shared_dec)
     for key in shared_avg:
         torch.testing.assert_close(shared_dec[key].numpy(), shared_avg[key].numpy(),

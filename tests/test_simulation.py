@@ -114,3 +114,23 @@ def test_unknown_method_or_dataset_fails_at_start(federation, tmp_path, key, val
     lines = [line for line in run.output.splitlines() if "Invalid run config" in line]
     assert lines and f"{key}: unknown value '{value}'" in lines[0] and allowed in lines[0]
     assert not (tmp_path / "results.json").exists()
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(federation, tmp_path):
+    base = {"method": "fedavg", "local-epochs": 1, "plot": False}
+    full, first, resumed = tmp_path / "full", tmp_path / "first", tmp_path / "resumed"
+    runs = [federation.run(ROOT, {**base, "num-server-rounds": 4, "output-dir": str(full)},
+                           num_supernodes=3),
+            federation.run(ROOT, {**base, "num-server-rounds": 2, "output-dir": str(first)},
+                           num_supernodes=3),
+            federation.run(ROOT, {**base, "num-server-rounds": 4, "output-dir": str(resumed),
+                                  "resume-from": str(first)}, num_supernodes=3)]
+    assert all(run.ok for run in runs), [r.output[-2000:] for r in runs if not r.ok]
+    assert "[resume] from round 2" in runs[2].output
+    expected, got = read_results(full), read_results(resumed)
+    assert [r["round"] for r in got["rounds"]] == [1, 2, 3, 4]
+    for a, b in zip(expected["rounds"], got["rounds"], strict=True):
+        assert a["eval"]["per_client"] == b["eval"]["per_client"]
+        assert a["train"]["loss"] == b["train"]["loss"]
+        assert a["bytes_up"] == b["bytes_up"]
+    assert expected["final"]["accuracy_weighted"] == got["final"]["accuracy_weighted"]

@@ -156,7 +156,7 @@ def test_personal_state_survives_rounds_and_restarts(tmp_path):
     model = client.model(received)
     with torch.no_grad():
         model.head.weight.add_(1.0)
-    client.keep_personal(model, received)
+    client.keep_personal(model, received, client.shared_arrays(model, received))
     assert (tmp_path / "site-b.pt").exists()
     head = model.head.weight.detach().clone()
     # next round, same process: from context.state

@@ -1,0 +1,47 @@
+"""Parameters of each method's model against the plain backbone (no data, no training).
+
+    python bench/param_counts.py
+
+Prints, for the digits CNN and a CIFAR-10 ResNet-18, the parameter count of every method's
+transformed model and its difference to FedAvg's, and writes bench/results/param_counts.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tomllib  # noqa: E402
+
+from common.config import RunSettings  # noqa: E402
+from strategies.registry import REGISTRY, build_model  # noqa: E402
+
+SCENARIOS = {"digits / cnn": {"dataset": "digits", "model": "cnn"},
+             "cifar10 / resnet18": {"dataset": "cifar10", "model": "resnet18"}}
+
+
+def main() -> None:
+    defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "config"]
+    lines = ["| scenario | method | parameters | vs fedavg |", "|---|---|---|---|"]
+    for label, scenario in SCENARIOS.items():
+        counts = {}
+        for method in REGISTRY:
+            model = build_model(RunSettings.from_run_config({**defaults, **scenario,
+                                                             "method": method}))
+            counts[method] = sum(p.numel() for p in model.parameters())
+        for method, count in counts.items():
+            delta = (count - counts["fedavg"]) / counts["fedavg"]
+            lines.append(f"| {label} | {method} | {count:,} | {delta:+.3%} |")
+    text = "# Parameter counts\n\n```\npython bench/param_counts.py\n```\n\n" + "\n".join(
+        lines) + "\n"
+    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    (ROOT / "bench" / "results" / "param_counts.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""pFedC's local rule: multi-task training of ``phi`` and the branches, weighted by MGDA-UB.
+
+Local objective ``L_i = sum_t lambda_t L_t(phi, omega^t)`` over all ``T`` tasks (a task whose
+classes the client lacks still trains its branch towards "other": that branch is personal).
+``pfedc.mgda = false``: ``lambda_t = 1/T``. ``pfedc.mgda = true`` (Sener and Koltun 2018,
+MGDA-UB): per batch, the gradients ``g_t`` of every ``L_t`` with respect to the shared
+representation ``z = phi(x)`` are normalised by ``L_t * ||g_t||`` (the reference code's
+``loss+``), ``lambda`` is the min-norm point of their convex hull, and one backward pass of
+``sum_t lambda_t L_t`` updates everything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.optimize import minimize
+
+from client_app.training import LocalTraining, sgd
+
+
+def min_norm_weights(gram: np.ndarray) -> np.ndarray:
+    """``argmin_{lambda in simplex} ||sum_t lambda_t g_t||^2`` given the Gram matrix
+    ``gram[s, t] = <g_s, g_t>``: a small QP solved with SciPy's SLSQP (closed form for two)."""
+    n = gram.shape[0]
+    if n == 1:
+        return np.ones(1)
+    if n == 2:
+        diff = gram[0, 0] - 2 * gram[0, 1] + gram[1, 1]
+        w = 0.5 if diff <= 0 else float(np.clip((gram[1, 1] - gram[0, 1]) / diff, 0, 1))
+        return np.array([w, 1 - w])
+    scale = max(float(np.abs(gram).max()), 1e-12)
+    g = gram / scale
+    result = minimize(lambda w: w @ g @ w, np.full(n, 1 / n), jac=lambda w: 2 * g @ w,
+                      method="SLSQP", bounds=[(0, 1)] * n,
+                      constraints=[{"type": "eq", "fun": lambda w: w.sum() - 1,
+                                    "jac": lambda w: np.ones_like(w)}],
+                      options={"ftol": 1e-12, "maxiter": 200})
+    weights = np.clip(result.x, 0, None)
+    return weights / weights.sum()
+
+
+def mgda_ub_weights(losses: list[torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+    """MGDA-UB task weights from the gradients of each loss w.r.t. the representation."""
+    grads = []
+    for loss in losses:
+        (g,) = torch.autograd.grad(loss, z, retain_graph=True)
+        g = g.flatten()
+        grads.append(g / (loss.detach().clamp_min(1e-8) * g.norm().clamp_min(1e-12)))
+    stacked = torch.stack(grads)
+    gram = (stacked @ stacked.T).double().cpu().numpy()
+    return torch.as_tensor(min_norm_weights(gram), dtype=z.dtype, device=z.device)
+
+
+def train_pfedc(job: LocalTraining) -> float:
+    model, settings = job.model, job.settings
+    use_mgda = settings.setting("pfedc.mgda", bool)
+    optimizer = sgd(model.parameters(), settings)
+    model.train()
+    total, batches = 0.0, 0
+    for _ in range(settings.local_epochs):
+        for x, y in job.loader:
+            x, y = x.to(job.device), y.to(job.device)
+            optimizer.zero_grad(set_to_none=True)
+            z = model.features(x)
+            losses = model.head.task_losses(z, y)
+            if use_mgda and len(losses) > 1:
+                weights = mgda_ub_weights(losses, z)
+            else:
+                weights = torch.full((len(losses),), 1 / len(losses), device=z.device)
+            objective = sum(w * task_loss for w, task_loss in zip(weights, losses, strict=True))
+            objective.backward()
+            optimizer.step()
+            total += float(sum(task_loss.item() for task_loss in losses) / len(losses))
+            batches += 1
+    return total / max(batches, 1)

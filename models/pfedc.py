@@ -1,0 +1,93 @@
+"""pFedC's model transform: the classifier becomes one branch per (virtual) task.
+
+"Disentangled knowledge transfer: a new perspective for personalized federated learning".
+The backbone's ``body`` is the shared representation ``phi``; its ``head`` is replaced by
+``T`` branches ``omega^1..omega^T`` (state-dict keys ``head.branches.<t>.weight/bias``).
+
+Tasks: ``pfedc.tasks = 0`` gives ``T = C`` tasks, task ``c`` = "is it class c"; ``0 < T < C``
+cuts the classes into ``T`` consecutive groups (``numpy.array_split`` order). With ``T > 1``
+branch ``t`` is a Linear with one logit per class of its group plus one "other" logit, trained
+with softmax cross-entropy against "the class if it is in the group, else other" (for
+``T = C`` that is the binary "class c or not"). With ``T = 1`` there is no "other" logit: the
+single branch is an ordinary C-way classifier, so pFedC with one task is FedAvg.
+
+Prediction: each branch's log-softmax score of its own classes, put side by side into C
+class scores; the argmax over those is the C-way decision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from common.config import RunSettings
+
+
+def task_groups(num_classes: int, tasks: int) -> list[list[int]]:
+    """Classes of each task: one per class when ``tasks`` is 0, else consecutive groups."""
+    if tasks == 0:
+        return [[c] for c in range(num_classes)]
+    return [part.tolist() for part in np.array_split(np.arange(num_classes), tasks)]
+
+
+class BranchHead(nn.Module):
+    """``T`` task branches over the shared features."""
+
+    def __init__(self, feature_dim: int, groups: list[list[int]]) -> None:
+        super().__init__()
+        self.groups = groups
+        self.num_classes = sum(len(g) for g in groups)
+        self.with_other = len(groups) > 1
+        self.branches = nn.ModuleList(
+            nn.Linear(feature_dim, len(g) + int(self.with_other)) for g in groups)
+        task_of_class = torch.empty(self.num_classes, dtype=torch.long)
+        slot_of_class = torch.empty(self.num_classes, dtype=torch.long)
+        for t, group in enumerate(groups):
+            for slot, c in enumerate(group):
+                task_of_class[c], slot_of_class[c] = t, slot
+        self.register_buffer("task_of_class", task_of_class, persistent=False)
+        self.register_buffer("slot_of_class", slot_of_class, persistent=False)
+
+    def task_logits(self, z: Tensor) -> list[Tensor]:
+        return [branch(z) for branch in self.branches]
+
+    def task_targets(self, y: Tensor) -> list[Tensor]:
+        """Per task: the class's slot in the group, or the "other" slot."""
+        return [torch.where(self.task_of_class[y] == t, self.slot_of_class[y],
+                            torch.full_like(y, len(group)))
+                for t, group in enumerate(self.groups)]
+
+    def task_losses(self, z: Tensor, y: Tensor) -> list[Tensor]:
+        return [F.cross_entropy(logits, target) for logits, target in
+                zip(self.task_logits(z), self.task_targets(y), strict=True)]
+
+    def forward(self, z: Tensor) -> Tensor:
+        scores = z.new_empty(z.shape[0], self.num_classes)
+        for group, logits in zip(self.groups, self.task_logits(z), strict=True):
+            scores[:, group] = F.log_softmax(logits, dim=1)[:, :len(group)]
+        return scores
+
+
+def with_branches(model: nn.Module, settings: RunSettings) -> nn.Module:
+    """Replace ``model.head`` by a ``BranchHead`` over ``pfedc.tasks`` tasks.
+
+    Each branch starts from the original head's rows for its classes (the "other" logit keeps
+    its own fresh initialisation), so with one task the model is exactly the backbone."""
+    old = model.head
+    groups = task_groups(old.out_features, settings.setting("pfedc.tasks", int))
+    head = BranchHead(model.feature_dim, groups)
+    with torch.no_grad():
+        for group, branch in zip(groups, head.branches, strict=True):
+            branch.weight[:len(group)] = old.weight[group]
+            branch.bias[:len(group)] = old.bias[group]
+    model.head = head
+    return model
+
+
+def branch_of_key(key: str) -> int | None:
+    """Task index of a ``head.branches.<t>.*`` key; None for the representation."""
+    if not key.startswith("head.branches."):
+        return None
+    return int(key.split(".")[2])

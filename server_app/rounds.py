@@ -1,0 +1,81 @@
+"""The round loop, with a checkpoint after every round and resume from one.
+
+Flower's ``Strategy.start`` always begins at round 1; resuming needs the true round numbers
+(clients seed their training with them), so the ServerApp runs the same loop itself:
+configure_train -> send_and_receive -> aggregate_train -> configure_evaluate ->
+send_and_receive -> aggregate_evaluate, then results.json and the checkpoint.
+
+The checkpoint (``<output-dir>/checkpoint.pkl``, written atomically) holds the round number,
+the shared arrays, the strategy's per-client tables (``Strategy.checkpoint_state``), the rounds
+of results.json and the sampler's random state. It is a pickle: load only your own.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from server_app.results import ResultsRecorder
+from strategies.base import PersonalizedStrategy
+
+CHECKPOINT = "checkpoint.pkl"
+
+
+def save_checkpoint(path: Path, server_round: int, arrays: ArrayRecord,
+                    strategy: PersonalizedStrategy, recorder: ResultsRecorder) -> None:
+    payload = {"round": server_round, "arrays": {k: v.numpy() for k, v in arrays.items()},
+               "strategy": strategy.checkpoint_state(), "rounds": recorder.rounds,
+               "random": random.getstate()}
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as file:
+        pickle.dump(payload, file, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / CHECKPOINT
+    if not path.exists():
+        raise FileNotFoundError(f"resume-from: no {CHECKPOINT} in {run_dir}")
+    with open(path, "rb") as file:
+        return pickle.load(file)
+
+
+def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
+           recorder: ResultsRecorder) -> tuple[int, ArrayRecord]:
+    """Restore a checkpoint; returns (first round to run, shared arrays)."""
+    strategy.restore_state(checkpoint["strategy"])
+    recorder.rounds = list(checkpoint["rounds"])
+    random.setstate(checkpoint["random"])
+    arrays = ArrayRecord({k: Array(v) for k, v in checkpoint["arrays"].items()})
+    log(INFO, "[resume] from round %d", checkpoint["round"])
+    return checkpoint["round"] + 1, arrays
+
+
+def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsRecorder,
+               arrays: ArrayRecord, first_round: int, last_round: int) -> ArrayRecord:
+    timeout = strategy.settings.round_timeout
+    recorder.on_round(0, arrays)  # starts the round clock, writes results.json
+    for server_round in range(first_round, last_round + 1):
+        log(INFO, "[round %d/%d]", server_round, last_round)
+        replies = grid.send_and_receive(
+            strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
+            timeout=timeout)
+        updated, _ = strategy.aggregate_train(server_round, replies)
+        if updated is not None:
+            arrays = updated
+        replies = grid.send_and_receive(
+            strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+            timeout=timeout)
+        strategy.aggregate_evaluate(server_round, replies)
+        recorder.on_round(server_round, arrays)
+        save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
+                        recorder)
+    return arrays

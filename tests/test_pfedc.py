@@ -1,0 +1,169 @@
+"""pFedC: masked aggregation (eq. 7), min-norm solver, per-client downlinks, tasks = 1."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Context, RecordDict
+
+from client_app.runtime import Client
+from client_app.training import LocalTraining
+from client_app.training.pfedc import mgda_ub_weights, min_norm_weights
+from common.config import RunSettings
+from models.pfedc import BranchHead, task_groups
+from server_app.app import initial_shared_arrays
+from strategies.pfedc import PFedCStrategy, masked_branch_average
+from tests.conftest import app_config, read_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_task_groups():
+    assert task_groups(4, 0) == [[0], [1], [2], [3]]
+    assert task_groups(10, 3) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert task_groups(5, 1) == [[0, 1, 2, 3, 4]]
+
+
+def test_branch_head_targets_and_prediction():
+    head = BranchHead(4, task_groups(5, 2))          # groups [0,1,2] and [3,4]
+    y = torch.tensor([0, 2, 3, 4])
+    t0, t1 = head.task_targets(y)
+    assert t0.tolist() == [0, 2, 3, 3]                # slot 3 = "other"
+    assert t1.tolist() == [2, 2, 0, 1]                # slot 2 = "other"
+    scores = head(torch.randn(4, 4))
+    assert scores.shape == (4, 5) and (scores <= 0).all()
+    single = BranchHead(4, task_groups(5, 1))         # one task: an ordinary classifier
+    assert single.branches[0].out_features == 5
+
+
+def test_masked_aggregation_equals_eq7_on_hand_made_inputs():
+    keys = {0: ["head.branches.0.weight"], 1: ["head.branches.1.weight"],
+            2: ["head.branches.2.weight"]}
+    branches = {"a": {"head.branches.0.weight": np.array([1.0]),
+                      "head.branches.1.weight": np.array([10.0])},
+                "b": {"head.branches.0.weight": np.array([3.0]),
+                      "head.branches.2.weight": np.array([7.0])},
+                "c": {"head.branches.1.weight": np.array([20.0])}}
+    weights = {"a": [1.0, 3.0, 0.0], "b": [3.0, 0.0, 2.0], "c": [0.0, 1.0, 0.0]}
+    averaged = masked_branch_average(branches, weights, keys)
+    assert averaged["head.branches.0.weight"] == pytest.approx((1 * 1 + 3 * 3) / 4)
+    assert averaged["head.branches.1.weight"] == pytest.approx((10 * 3 + 20 * 1) / 4)
+    assert averaged["head.branches.2.weight"] == pytest.approx(7.0)
+    uniform = masked_branch_average(branches, {c: [float(v > 0) for v in w]
+                                               for c, w in weights.items()}, keys)
+    assert uniform["head.branches.1.weight"] == pytest.approx(15.0)  # plain mean
+
+
+def _strategy(**overrides) -> PFedCStrategy:
+    settings = RunSettings.from_run_config(app_config(method="pfedc", **overrides))
+    return PFedCStrategy(settings, initial_shared_arrays(settings))
+
+
+def test_downlink_carries_only_held_branches_and_their_holders_average():
+    strategy = _strategy()
+    assert len(strategy.keys_of_task) == 10
+    strategy.task_weights = {"0": [5.0, 5.0] + [0.0] * 8, "1": [0.0, 4.0, 4.0] + [0.0] * 7}
+    arrays = initial_shared_arrays(strategy.settings)
+    down0 = strategy.downlink(1, "0", arrays)
+    down1 = strategy.downlink(1, "1", arrays)
+    held = lambda rec: sorted({int(k.split(".")[2]) for k in rec if k.startswith("head.")})  # noqa: E731
+    assert held(down0) == [0, 1] and held(down1) == [1, 2]
+    assert held(strategy.downlink(1, None, arrays)) == list(range(10))  # not seen yet: all
+
+
+def test_min_norm_two_gradients_closed_form():
+    g1, g2 = np.array([1.0, 0.0]), np.array([0.0, 2.0])
+    gram = np.array([[g1 @ g1, g1 @ g2], [g2 @ g1, g2 @ g2]])
+    w = min_norm_weights(gram)
+    expected = (g2 @ g2 - g1 @ g2) / ((g1 - g2) @ (g1 - g2))
+    assert w[0] == pytest.approx(expected) and w.sum() == pytest.approx(1)
+    # one gradient inside the other's direction: all weight on the shorter one
+    w = min_norm_weights(np.array([[1.0, 2.0], [2.0, 4.0]]))
+    assert w.tolist() == pytest.approx([1.0, 0.0])
+
+
+def _brute_force_min_norm(grads: np.ndarray, steps: int = 60) -> float:
+    best = np.inf
+    for a, b in itertools.product(np.linspace(0, 1, steps + 1), repeat=2):
+        if a + b <= 1:
+            w = np.array([a, b, 1 - a - b])
+            best = min(best, float(np.linalg.norm(w @ grads)))
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_min_norm_several_gradients_reaches_the_convex_hull_minimum(seed):
+    grads = np.random.default_rng(seed).normal(size=(3, 5))
+    w = min_norm_weights(grads @ grads.T)
+    assert (w >= 0).all() and w.sum() == pytest.approx(1)
+    assert np.linalg.norm(w @ grads) <= _brute_force_min_norm(grads) + 1e-6
+
+
+def test_mgda_weights_from_representation_gradients():
+    torch.manual_seed(0)
+    z = torch.randn(8, 4, requires_grad=True)
+    head = BranchHead(4, task_groups(3, 0))
+    losses = head.task_losses(z, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
+    w = mgda_ub_weights(losses, z)
+    assert w.shape == (3,) and torch.all(w >= 0) and float(w.sum()) == pytest.approx(1)
+
+
+def _client(pid: int, **overrides) -> Client:
+    return Client.from_context(Context(
+        run_id=1, node_id=pid, node_config={"partition-id": pid, "num-partitions": 4},
+        state=RecordDict(), run_config=app_config(**{"method": "pfedc", **overrides})))
+
+
+def test_client_sends_only_branches_it_holds():
+    client = _client(0, partitioner="pathological", **{"classes-per-client": 2})
+    model = client.model(initial_shared_arrays(client.settings))
+    sent = client.shared_arrays(model, ArrayRecord())
+    branches = sorted({int(k.split(".")[2]) for k in sent if k.startswith("head.")})
+    assert branches == sorted(np.unique(client.data.y_train).tolist())
+    assert all(k.startswith("body.") for k in sent if not k.startswith("head."))
+
+
+def test_one_task_is_fedavg_with_one_shared_head():
+    fedavg, pfedc = _client(1, method="fedavg"), _client(1, **{"pfedc.tasks": 1})
+    results = []
+    for client in (fedavg, pfedc):
+        model = client.model(initial_shared_arrays(client.settings))
+        torch.manual_seed(3)
+        client.method.local_train(LocalTraining(model, client.loader(True, 1),
+                                                client.settings, client.device, 1))
+        results.append(client.shared_arrays(model, ArrayRecord()))
+    renamed = {k.replace("head.branches.0.", "head."): v for k, v in results[1].items()}
+    assert set(renamed) == set(results[0])
+    for key, value in renamed.items():
+        np.testing.assert_allclose(value.numpy(), results[0][key].numpy(), rtol=1e-5,
+                                   atol=1e-6)
+    strategy = _strategy(**{"pfedc.tasks": 1})
+    strategy.task_weights = {"0": [10.0], "1": [30.0]}
+    strategy.branches = {c: {"head.branches.0.bias": np.full(10, v, np.float32)}
+                         for c, v in (("0", 1.0), ("1", 2.0))}
+    averaged = masked_branch_average(strategy.branches, strategy.task_weights,
+                                     {0: ["head.branches.0.bias"]})
+    assert averaged["head.branches.0.bias"] == pytest.approx(np.full(10, 1.75))  # FedAvg mean
+    assert Array(averaged["head.branches.0.bias"]).dtype == "float32"
+
+
+@pytest.mark.integration
+def test_real_round_sends_different_downlinks_to_different_label_sets(federation, tmp_path):
+    run = federation.run(ROOT, {"method": "pfedc", "partitioner": "pathological",
+                                "classes-per-client": 2, "num-server-rounds": 2,
+                                "local-epochs": 1, "output-dir": str(tmp_path),
+                                "plot": False}, num_supernodes=4)
+    assert run.ok, run.output[-3000:]
+    results = read_results(tmp_path)
+    rounds = results["rounds"]
+    assert all("dropped" not in r for r in rounds)
+    weights = results["server_state"]["pfedc"]["task_weights"]
+    held = {cid: [t for t, w in enumerate(ws) if w > 0] for cid, ws in weights.items()}
+    assert held == {"0": [0, 1], "1": [1, 2], "2": [2, 3], "3": [3, 4]}
+    # round 2's train downlink: phi + the two held branches per client, fewer bytes than all
+    assert rounds[1]["bytes_down_train"] < rounds[0]["bytes_down_train"]
+    assert rounds[1]["bytes_up"] == rounds[1]["bytes_down_train"]
