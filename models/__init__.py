@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from common.config import ConfigError
 from models.backbones import Backbone, cnn, mlp, resnet8, resnet9, resnet18
 
 BACKBONES: dict[str, Callable[..., Backbone]] = {
@@ -20,7 +21,7 @@ def build_backbone(name: str, input_shape: tuple[int, ...], num_classes: int,
     if name == "mlp":
         return mlp(input_shape, num_classes, mlp_hidden)
     if len(input_shape) != 3:
-        raise ValueError(f"model: {name!r} needs image inputs (C, H, W), got {input_shape}; "
+        raise ConfigError(f"model: {name!r} needs image inputs (C, H, W), got {input_shape}; "
                          "allowed for vector data: mlp")
     return BACKBONES[name](input_shape, num_classes)
 

@@ -14,15 +14,20 @@ evaluation of new clients (table 3).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from client_app.training import LocalTraining, evaluate, train_epochs
 
+if TYPE_CHECKING:
+    from client_app.runtime import Client
+
 MEMBER_PREFIX = "member."
 
 
-def personal_elements(client, msg: Message) -> RecordDict:
+def personal_elements(client: Client, msg: Message) -> RecordDict:
     from strategies.fedfac import element_state_keys
 
     model = client.model(ArrayRecord())
@@ -32,7 +37,7 @@ def personal_elements(client, msg: Message) -> RecordDict:
                        "metrics": MetricRecord({"num-examples": len(client.data.y_train)})})
 
 
-def local_train_personal_rows(client, msg: Message) -> RecordDict:
+def local_train_personal_rows(client: Client, msg: Message) -> RecordDict:
     from strategies.fedfac import MASK_PREFIX, _element_layers
 
     received = msg.content["arrays"]
@@ -61,7 +66,7 @@ def local_train_personal_rows(client, msg: Message) -> RecordDict:
 
 
 @torch.no_grad()
-def ensemble_accuracy(client, msg: Message) -> RecordDict:
+def ensemble_accuracy(client: Client, msg: Message) -> RecordDict:
     received = msg.content["arrays"]
     base = ArrayRecord({k: v for k, v in received.items() if not k.startswith(MEMBER_PREFIX)})
     members: dict[str, dict[str, torch.Tensor]] = {}
