@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import write_report  # noqa: E402
 from common.local_deployment import LocalDeployment  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
 
@@ -58,11 +59,8 @@ def main() -> None:
              f"| ratio | {dep_wall / sim_wall:.1f}x | | {steady_dep / steady_sim:.1f}x |\n")
     command = (f"python bench/deployment_overhead.py --rounds {args.rounds} "
                f"--sites {args.sites} --method {args.method}")
-    text = (f"# Simulation vs loopback deployment ({args.method}, digits, {args.sites} sites)"
-            f"\n\n```\n{command}\n```\n\n{table}")
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / "deployment_overhead.md").write_text(text)
-    print(text)
+    write_report("deployment_overhead", f"Simulation vs loopback deployment ({args.method}, "
+                 f"digits, {args.sites} sites)", command, table)
 
 
 if __name__ == "__main__":

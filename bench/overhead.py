@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from flwr.app import Context, RecordDict  # noqa: E402
 
+from bench.report import write_report  # noqa: E402
 from client_app.runtime import Client  # noqa: E402
 from client_app.training import LocalTraining, evaluate  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
@@ -95,11 +96,8 @@ def main() -> None:
         f"| steady round (mean of rounds 2..) | {steady_bare:.2f} s | {steady_flower:.2f} s | "
         f"{steady_flower / steady_bare:.1f}x |\n")
     command = f"python bench/overhead.py --rounds {args.rounds} --supernodes {args.supernodes}"
-    text = (f"# Overhead of the Flower app (FedAvg, digits, {args.supernodes} clients)\n\n"
-            f"```\n{command}\n```\n\n{table}")
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / "overhead.md").write_text(text)
-    print(text)
+    write_report("overhead", f"Overhead of the Flower app (FedAvg, digits, {args.supernodes} "
+                 "clients)", command, table)
 
 
 if __name__ == "__main__":

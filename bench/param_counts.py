@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 import tomllib  # noqa: E402
 
+from bench.report import write_report  # noqa: E402
 from common.config import RunSettings  # noqa: E402
 from strategies.registry import REGISTRY, build_model  # noqa: E402
 
@@ -36,11 +37,8 @@ def main() -> None:
         for method, count in counts.items():
             delta = (count - counts["fedavg"]) / counts["fedavg"]
             lines.append(f"| {label} | {method} | {count:,} | {delta:+.3%} |")
-    text = "# Parameter counts\n\n```\npython bench/param_counts.py\n```\n\n" + "\n".join(
-        lines) + "\n"
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / "param_counts.md").write_text(text)
-    print(text)
+    write_report("param_counts", "Parameter counts", "python bench/param_counts.py",
+                 "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import RESULTS, write_report  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
 
 MB = 1024**2
@@ -150,14 +151,9 @@ def main() -> None:
     rows = run_methods(args.methods.split(","), parse_overrides(args.overrides),
                        args.supernodes)
     command = "python bench/run_methods.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    table = markdown_table(rows)
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.md").write_text(
-        f"# {args.name}\n\n```\n{command}\n```\n\n{table}")
-    (out_dir / f"{args.name}.json").write_text(json.dumps(
-        {"command": command, "rows": rows}, indent=2))
-    print(table)
+    write_report(args.name, args.name, command, markdown_table(rows))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"command": command, "rows": rows},
+                                                          indent=2))
 
 
 if __name__ == "__main__":
