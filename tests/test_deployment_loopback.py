@@ -70,11 +70,11 @@ def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
         result = {}
         runner = threading.Thread(target=lambda: result.update(run=deployment.run(ROOT, config)))
         runner.start()
-        _wait_for(lambda: _rounds_done(out) >= 1, 300)
+        _wait_for(lambda: _rounds_done(out) >= 1, 900)
         deployment.kill_site(2)                       # SIGKILL, mid-run
-        _wait_for(lambda: _rounds_done(out) >= 3, 300)
+        _wait_for(lambda: _rounds_done(out) >= 3, 900)
         deployment.start_site(2)                      # new node id, empty context.state
-        runner.join(600)
+        runner.join(1200)
         run = result["run"]
         site_log = (deployment.home / "site-2.log").read_text()
     assert run.ok, run.output[-3000:]
