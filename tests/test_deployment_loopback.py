@@ -64,7 +64,7 @@ def _wait_for(predicate, timeout: float) -> None:
 def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     out = tmp_path / "out"
     timeout = 60.0
-    config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 3,
+    config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 2,
               "round-timeout": timeout, "output-dir": str(out)}
     with LocalDeployment(3, home=tmp_path / "home") as deployment:
         result = {}
@@ -84,8 +84,9 @@ def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     assert missed, "the dead site's missing replies are not recorded"
     for entry in missed:
         assert all(d["reason"] for d in entry["dropped"])
-    # no round waits past round-timeout for a dead node (train + evaluate, plus slack)
-    assert max(r["seconds"] for r in rounds) < 2 * timeout + 30
+    # no exchange waits past round-timeout for a dead node: a round is a train and an
+    # evaluate exchange, plus the ClientApp processes' own time on a loaded machine
+    assert max(r["seconds"] for r in rounds) < 2 * timeout + 60
     # the restarted SuperNode read site-2's personal state back from its state-dir
     assert "site-2: restored personal state" in site_log
     assert "site-2" in rounds[-1].get("eval", {}).get("per_client", {}), rounds[-1]
