@@ -66,11 +66,13 @@ def factor_count(eigenvalues: np.ndarray, kappa: float) -> int:
     return int(np.searchsorted(share, kappa - 1e-12) + 1)
 
 
-def principal_axis_loadings(r: np.ndarray, num_factors: int, max_iter: int = 200,
-                            tol: float = 1e-6) -> np.ndarray:
+def principal_axis_loadings(r: np.ndarray, num_factors: int, max_iter: int = 100,
+                            tol: float = 1e-4) -> np.ndarray:
     """Principal-axis factoring of a correlation matrix: loadings ``A`` (elements x G).
 
-    Starts from the squared multiple correlations (the usual initial communalities)."""
+    Starts from the squared multiple correlations (the usual initial communalities); stops
+    when no uniqueness moves by more than ``tol`` or after ``max_iter`` iterations (Heywood
+    cases, where some uniqueness runs to 0, need not converge)."""
     uniqueness = np.clip(1 / np.clip(np.diag(np.linalg.pinv(r)), 1.0, None), 0, 1)
     for _ in range(max_iter):
         values, vectors = np.linalg.eigh(r - np.diag(uniqueness))
