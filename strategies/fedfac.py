@@ -67,13 +67,14 @@ def factor_count(eigenvalues: np.ndarray, kappa: float) -> int:
 
 
 def principal_axis_loadings(r: np.ndarray, num_factors: int, max_iter: int = 100,
-                            tol: float = 1e-4) -> np.ndarray:
+                            tol: float = 1e-4, start: np.ndarray | None = None) -> np.ndarray:
     """Principal-axis factoring of a correlation matrix: loadings ``A`` (elements x G).
 
     Starts from the squared multiple correlations (the usual initial communalities); stops
     when no uniqueness moves by more than ``tol`` or after ``max_iter`` iterations (Heywood
     cases, where some uniqueness runs to 0, need not converge)."""
-    uniqueness = np.clip(1 / np.clip(np.diag(np.linalg.pinv(r)), 1.0, None), 0, 1)
+    uniqueness = (np.clip(1 / np.clip(np.diag(np.linalg.pinv(r)), 1.0, None), 0, 1)
+                  if start is None else start.copy())
     for _ in range(max_iter):
         values, vectors = np.linalg.eigh(r - np.diag(uniqueness))
         top = np.argsort(values)[::-1][:num_factors]
@@ -85,12 +86,13 @@ def principal_axis_loadings(r: np.ndarray, num_factors: int, max_iter: int = 100
     return loadings
 
 
-def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
-                    ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(shared mask, communalities, number of factors) of one layer."""
+def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float,
+                    start: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(shared mask, communalities, number of factors) of one layer. ``start``: initial
+    uniquenesses (dynamic mode passes the previous round's ``1 - nu``: a warm start)."""
     r = element_correlation(weights)
     num_factors = factor_count(np.linalg.eigvalsh(r), kappa)
-    nu = (principal_axis_loadings(r, num_factors) ** 2).sum(axis=1)
+    nu = (principal_axis_loadings(r, num_factors, start=start) ** 2).sum(axis=1)
     if tau_quantile > 1:
         return np.zeros(len(nu), bool), nu, num_factors
     if tau_quantile < 0:
@@ -113,6 +115,7 @@ class FedFacStrategy(PersonalizedStrategy):
         self.tau_quantile = settings.setting("fedfac.tau-quantile")
         self.server_lr = settings.setting("fedfac.server-lr", float, 1.0)
         self.split: dict[str, np.ndarray] | None = None
+        self.communalities: dict[str, np.ndarray] = {}  # last analysis (warm start)
         self.reference = settings.setting("fedfac.split", str, "estimate")
         self.true_shared = None
         if settings.dataset == "synthetic-fedfac":
@@ -142,9 +145,11 @@ class FedFacStrategy(PersonalizedStrategy):
         split: dict[str, np.ndarray] = {}
         for layer in self.layers:
             start = time.perf_counter()
+            previous = self.communalities.get(layer)
             mask, nu, factors = shared_elements(
                 [r.arrays[f"{layer}.weight"].numpy() for r in replies], self.kappa,
-                self.tau_quantile)
+                self.tau_quantile, None if previous is None else np.clip(1 - previous, 0, 1))
+            self.communalities[layer] = nu
             mask = self._reference_split(layer, mask)
             kept = None if self.split is None else float((self.split[layer] == mask).mean())
             split[layer] = mask
@@ -254,11 +259,12 @@ class FedFacStrategy(PersonalizedStrategy):
         return {"new_clients": report}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), "split": self.split}
+        return {**super().checkpoint_state(), "split": self.split,
+                "communalities": self.communalities}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         super().restore_state(state)
-        self.split = state["split"]
+        self.split, self.communalities = state["split"], state["communalities"]
 
     def state_tables(self) -> dict[str, Any]:
         return {"fedfac": {"split": None if self.split is None else {
