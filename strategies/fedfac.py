@@ -66,7 +66,7 @@ def factor_count(eigenvalues: np.ndarray, kappa: float) -> int:
     return int(np.searchsorted(share, kappa - 1e-12) + 1)
 
 
-def principal_axis_loadings(r: np.ndarray, num_factors: int, max_iter: int = 100,
+def principal_axis_loadings(r: np.ndarray, num_factors: int, max_iter: int = 30,
                             tol: float = 1e-4, start: np.ndarray | None = None) -> np.ndarray:
     """Principal-axis factoring of a correlation matrix: loadings ``A`` (elements x G).
 
