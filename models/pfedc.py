@@ -33,41 +33,60 @@ def task_groups(num_classes: int, tasks: int) -> list[list[int]]:
 
 
 class BranchHead(nn.Module):
-    """``T`` task branches over the shared features."""
+    """``T`` task branches over the shared features.
+
+    Each branch is its own ``nn.Linear`` (so its state-dict keys can be averaged per task), but
+    all of them run as one matmul: their logits are laid out in a ``(T, K)`` grid (``K`` = the
+    largest branch; missing slots are ``-inf``), so the per-task losses and the prediction cost
+    a few tensor ops whatever ``T`` is."""
 
     def __init__(self, feature_dim: int, groups: list[list[int]]) -> None:
         super().__init__()
         self.groups = groups
         self.num_classes = sum(len(g) for g in groups)
         self.with_other = len(groups) > 1
-        self.branches = nn.ModuleList(
-            nn.Linear(feature_dim, len(g) + int(self.with_other)) for g in groups)
+        sizes = [len(g) + int(self.with_other) for g in groups]
+        self.branches = nn.ModuleList(nn.Linear(feature_dim, size) for size in sizes)
+        width, total = max(sizes), sum(sizes)
+        # grid slot (t, k) -> column of the concatenated logits; ``total`` is the -inf column
+        grid = torch.full((len(groups), width), total, dtype=torch.long)
+        offset = 0
+        for t, size in enumerate(sizes):
+            grid[t, :size] = torch.arange(offset, offset + size)
+            offset += size
         task_of_class = torch.empty(self.num_classes, dtype=torch.long)
         slot_of_class = torch.empty(self.num_classes, dtype=torch.long)
+        # target_of_class[c, t]: class c's slot in task t, or t's "other" slot
+        target_of_class = torch.tensor([len(g) for g in groups]).repeat(self.num_classes, 1)
         for t, group in enumerate(groups):
             for slot, c in enumerate(group):
                 task_of_class[c], slot_of_class[c] = t, slot
-        self.register_buffer("task_of_class", task_of_class, persistent=False)
-        self.register_buffer("slot_of_class", slot_of_class, persistent=False)
+                target_of_class[c, t] = slot
+        for name, value in (("grid", grid), ("task_of_class", task_of_class),
+                            ("slot_of_class", slot_of_class),
+                            ("target_of_class", target_of_class)):
+            self.register_buffer(name, value, persistent=False)
 
-    def task_logits(self, z: Tensor) -> list[Tensor]:
-        return [branch(z) for branch in self.branches]
+    def task_log_probs(self, z: Tensor) -> Tensor:
+        """``(N, T, K)``: each branch's log-softmax, ``-inf`` in slots it does not have."""
+        weight = torch.cat([b.weight for b in self.branches])
+        bias = torch.cat([b.bias for b in self.branches])
+        logits = F.linear(z, weight, bias)
+        padded = torch.cat([logits, logits.new_full((z.shape[0], 1), float("-inf"))], dim=1)
+        return F.log_softmax(padded[:, self.grid], dim=2)
 
-    def task_targets(self, y: Tensor) -> list[Tensor]:
-        """Per task: the class's slot in the group, or the "other" slot."""
-        return [torch.where(self.task_of_class[y] == t, self.slot_of_class[y],
-                            torch.full_like(y, len(group)))
-                for t, group in enumerate(self.groups)]
+    def task_targets(self, y: Tensor) -> Tensor:
+        """``(N, T)``: per task, the class's slot in the group, or the "other" slot."""
+        return self.target_of_class[y]
 
-    def task_losses(self, z: Tensor, y: Tensor) -> list[Tensor]:
-        return [F.cross_entropy(logits, target) for logits, target in
-                zip(self.task_logits(z), self.task_targets(y), strict=True)]
+    def task_losses(self, z: Tensor, y: Tensor) -> Tensor:
+        """``(T,)``: each task's mean cross-entropy over the batch."""
+        log_probs = self.task_log_probs(z)
+        picked = log_probs.gather(2, self.task_targets(y).unsqueeze(2)).squeeze(2)
+        return -picked.mean(dim=0)
 
     def forward(self, z: Tensor) -> Tensor:
-        scores = z.new_empty(z.shape[0], self.num_classes)
-        for group, logits in zip(self.groups, self.task_logits(z), strict=True):
-            scores[:, group] = F.log_softmax(logits, dim=1)[:, :len(group)]
-        return scores
+        return self.task_log_probs(z)[:, self.task_of_class, self.slot_of_class]
 
 
 def with_branches(model: nn.Module, settings: RunSettings) -> nn.Module:

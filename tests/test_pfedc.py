@@ -31,13 +31,29 @@ def test_task_groups():
 def test_branch_head_targets_and_prediction():
     head = BranchHead(4, task_groups(5, 2))          # groups [0,1,2] and [3,4]
     y = torch.tensor([0, 2, 3, 4])
-    t0, t1 = head.task_targets(y)
+    t0, t1 = head.task_targets(y).T
     assert t0.tolist() == [0, 2, 3, 3]                # slot 3 = "other"
     assert t1.tolist() == [2, 2, 0, 1]                # slot 2 = "other"
     scores = head(torch.randn(4, 4))
     assert scores.shape == (4, 5) and (scores <= 0).all()
     single = BranchHead(4, task_groups(5, 1))         # one task: an ordinary classifier
     assert single.branches[0].out_features == 5
+
+
+@pytest.mark.parametrize("tasks", [0, 1, 3])
+def test_branch_head_computes_each_branch_on_its_own(tasks):
+    """The one-matmul layout equals running every branch Linear separately."""
+    torch.manual_seed(tasks)
+    head = BranchHead(6, task_groups(10, tasks))
+    z, y = torch.randn(16, 6), torch.randint(0, 10, (16,))
+    targets = head.task_targets(y)
+    expected = torch.stack([torch.nn.functional.cross_entropy(branch(z), targets[:, t])
+                            for t, branch in enumerate(head.branches)])
+    torch.testing.assert_close(head.task_losses(z, y), expected)
+    scores = head(z)
+    for group, branch in zip(head.groups, head.branches, strict=True):
+        own = torch.log_softmax(branch(z), dim=1)[:, :len(group)]
+        torch.testing.assert_close(scores[:, group], own)
 
 
 def test_masked_aggregation_equals_eq7_on_hand_made_inputs():
@@ -110,6 +126,12 @@ def test_mgda_weights_from_representation_gradients():
     losses = head.task_losses(z, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
     w = mgda_ub_weights(losses, z)
     assert w.shape == (3,) and torch.all(w >= 0) and float(w.sum()) == pytest.approx(1)
+    # the batched backward gives the same weights as one backward per task
+    grads = torch.stack([torch.autograd.grad(loss, z, retain_graph=True)[0].flatten()
+                         for loss in losses])
+    grads = grads / (losses.detach() * grads.norm(dim=1)).unsqueeze(1)
+    expected = min_norm_weights((grads @ grads.T).double().numpy())
+    np.testing.assert_allclose(w.numpy(), expected, atol=1e-5)
 
 
 def _client(pid: int, **overrides) -> Client:

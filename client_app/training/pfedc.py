@@ -39,15 +39,16 @@ def min_norm_weights(gram: np.ndarray) -> np.ndarray:
     return weights / weights.sum()
 
 
-def mgda_ub_weights(losses: list[torch.Tensor], z: torch.Tensor) -> torch.Tensor:
-    """MGDA-UB task weights from the gradients of each loss w.r.t. the representation."""
-    grads = []
-    for loss in losses:
-        (g,) = torch.autograd.grad(loss, z, retain_graph=True)
-        g = g.flatten()
-        grads.append(g / (loss.detach().clamp_min(1e-8) * g.norm().clamp_min(1e-12)))
-    stacked = torch.stack(grads)
-    gram = (stacked @ stacked.T).double().cpu().numpy()
+def mgda_ub_weights(losses: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """MGDA-UB task weights from the gradients of each loss (``losses``: shape ``(T,)``)
+    with respect to the representation ``z``; all ``T`` gradients in one batched backward."""
+    (grads,) = torch.autograd.grad(losses, z, grad_outputs=torch.eye(len(losses), dtype=z.dtype,
+                                                                      device=z.device),
+                                   retain_graph=True, is_grads_batched=True)
+    grads = grads.flatten(1)
+    grads = grads / (losses.detach().clamp_min(1e-8)
+                     * grads.norm(dim=1).clamp_min(1e-12)).unsqueeze(1)
+    gram = (grads @ grads.T).double().cpu().numpy()
     return torch.as_tensor(min_norm_weights(gram), dtype=z.dtype, device=z.device)
 
 
@@ -64,12 +65,11 @@ def train_pfedc(job: LocalTraining) -> float:
             z = model.features(x)
             losses = model.head.task_losses(z, y)
             if use_mgda and len(losses) > 1:
-                weights = mgda_ub_weights(losses, z)
+                objective = mgda_ub_weights(losses, z) @ losses
             else:
-                weights = torch.full((len(losses),), 1 / len(losses), device=z.device)
-            objective = sum(w * task_loss for w, task_loss in zip(weights, losses, strict=True))
+                objective = losses.mean()  # equal weights 1/T
             objective.backward()
             optimizer.step()
-            total += float(sum(task_loss.item() for task_loss in losses) / len(losses))
+            total += float(losses.detach().mean())
             batches += 1
     return total / max(batches, 1)

@@ -1,0 +1,92 @@
+"""Round time of methods against a baseline, measured in interleaved repeats.
+
+    python bench/round_time.py --name round-time-pfedc --baseline fedavg \
+        --methods 'pfedc@no-mgda:pfedc.mgda=false,pfedc' --repeats 3 --supernodes 10 \
+        partitioner='"pathological"' classes-per-client=2 num-server-rounds=12
+
+One shared 2-core machine drifts by tens of percent between minutes, so a single run per
+method says little. Here every repeat runs the baseline and each method back to back (the
+order rotates from repeat to repeat) through ``bench/run_methods.py``'s runner, and each
+method's round time is divided by the baseline's from the same repeat. A run's round time is
+the median over rounds 2.. (round 1 includes Ray's worker start-up). The table gives, per
+method, the median over repeats of the s/round and of the ratio, with the ratio's range.
+Writes ``bench/results/<name>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import RESULTS, write_report  # noqa: E402
+from bench.run_methods import parse_entry, parse_overrides, run_methods  # noqa: E402
+
+
+def interleaved(baseline: str, methods: list[str], repeats: int) -> list[str]:
+    """Repeat ``r`` runs the baseline and the methods, rotated by ``r`` places."""
+    entries = [baseline, *methods]
+    return [entries[(r + i) % len(entries)] for r in range(repeats)
+            for i in range(len(entries))]
+
+
+def ratios(rows: list[dict[str, Any]], baseline: str, labels: list[str], repeats: int
+           ) -> list[dict[str, Any]]:
+    """Per label: s/round of every repeat and its ratio to that repeat's baseline."""
+    per_repeat = len(rows) // repeats
+    table = []
+    for label in [baseline, *labels]:
+        seconds, ratio = [], []
+        for r in range(repeats):
+            chunk = rows[r * per_repeat:(r + 1) * per_repeat]
+            own = next(x for x in chunk if x["method"] == label)["seconds_per_round"]
+            base = next(x for x in chunk if x["method"] == baseline)["seconds_per_round"]
+            seconds.append(own)
+            ratio.append(own / base)
+        table.append({"method": label, "seconds_per_round": seconds, "ratio": ratio,
+                      "notes": next(x for x in rows if x["method"] == label)["notes"]})
+    return table
+
+
+def markdown(table: list[dict[str, Any]]) -> str:
+    lines = ["| method | s/round (median of repeats) | s/round per repeat "
+             "| ratio to baseline (median) | ratio range | notes |",
+             "|---|---|---|---|---|---|"]
+    for row in table:
+        lines.append(
+            f"| {row['method']} | {statistics.median(row['seconds_per_round']):.3f} | "
+            + ", ".join(f"{s:.3f}" for s in row["seconds_per_round"])
+            + f" | {statistics.median(row['ratio']):.2f}x | "
+            f"{min(row['ratio']):.2f}x-{max(row['ratio']):.2f}x | {row['notes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--baseline", default="fedavg")
+    parser.add_argument("--methods", required=True, help="comma-separated run_methods entries")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--supernodes", type=int, default=10)
+    parser.add_argument("overrides", nargs="*", help="run-config overrides as key=value (TOML)")
+    args = parser.parse_args()
+    methods = args.methods.split(",")
+    rows = run_methods(interleaved(args.baseline, methods, args.repeats),
+                       parse_overrides(args.overrides), args.supernodes)
+    table = ratios(rows, parse_entry(args.baseline)[0],
+                   [parse_entry(m)[0] for m in methods], args.repeats)
+    command = "python bench/round_time.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_report(args.name, args.name, command, markdown(table))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(
+        {"command": command, "table": table, "runs": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
