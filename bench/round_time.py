@@ -8,8 +8,10 @@ One shared 2-core machine drifts by tens of percent between minutes, so a single
 method says little. Here every repeat runs the baseline and each method back to back (the
 order rotates from repeat to repeat) through ``bench/run_methods.py``'s runner, and each
 method's round time is divided by the baseline's from the same repeat. A run's round time is
-the median over rounds 2.. (round 1 includes Ray's worker start-up). The table gives, per
-method, the median over repeats of the s/round and of the ratio, with the ratio's range.
+the median over rounds 2.. (round 1 includes Ray's worker start-up). Beside wall time it
+reports CPU seconds per round (``cpu_seconds`` in results.json: the clients' train and evaluate
+handlers plus the server's strategy work), the method's own cost, which steal time and other
+jobs barely move. Per method: each repeat's value and the median and range of the ratios.
 Writes ``bench/results/<name>.md`` and ``.json``.
 """
 
@@ -39,32 +41,42 @@ def interleaved(baseline: str, methods: list[str], repeats: int) -> list[str]:
 
 def ratios(rows: list[dict[str, Any]], baseline: str, labels: list[str], repeats: int
            ) -> list[dict[str, Any]]:
-    """Per label: s/round of every repeat and its ratio to that repeat's baseline."""
+    """Per label and repeat: wall and CPU s/round, and their ratios to the same repeat's
+    baseline."""
     per_repeat = len(rows) // repeats
     table = []
     for label in [baseline, *labels]:
-        seconds, ratio = [], []
-        for r in range(repeats):
-            chunk = rows[r * per_repeat:(r + 1) * per_repeat]
-            own = next(x for x in chunk if x["method"] == label)["seconds_per_round"]
-            base = next(x for x in chunk if x["method"] == baseline)["seconds_per_round"]
-            seconds.append(own)
-            ratio.append(own / base)
-        table.append({"method": label, "seconds_per_round": seconds, "ratio": ratio,
-                      "notes": next(x for x in rows if x["method"] == label)["notes"]})
+        row: dict[str, Any] = {"method": label, "notes": next(
+            x for x in rows if x["method"] == label)["notes"]}
+        for key in ("seconds_per_round", "cpu_seconds_per_round",
+                    "server_cpu_seconds_per_round"):
+            row[key], row[f"{key}_ratio"] = [], []
+            for r in range(repeats):
+                chunk = rows[r * per_repeat:(r + 1) * per_repeat]
+                own = next(x for x in chunk if x["method"] == label)[key]
+                base = next(x for x in chunk if x["method"] == baseline)[key]
+                row[key].append(own)
+                row[f"{key}_ratio"].append(own / base if base else float("nan"))
+        table.append(row)
     return table
 
 
 def markdown(table: list[dict[str, Any]]) -> str:
-    lines = ["| method | s/round (median of repeats) | s/round per repeat "
-             "| ratio to baseline (median) | ratio range | notes |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | wall s/round per repeat | wall ratio (median, range) "
+             "| CPU s/round per repeat | CPU ratio (median, range) | server CPU s/round "
+             "| notes |", "|---|---|---|---|---|---|---|"]
+
+    def ratio(values: list[float]) -> str:
+        return (f"{statistics.median(values):.2f}x ({min(values):.2f}x-{max(values):.2f}x)")
+
     for row in table:
         lines.append(
-            f"| {row['method']} | {statistics.median(row['seconds_per_round']):.3f} | "
+            f"| {row['method']} | "
             + ", ".join(f"{s:.3f}" for s in row["seconds_per_round"])
-            + f" | {statistics.median(row['ratio']):.2f}x | "
-            f"{min(row['ratio']):.2f}x-{max(row['ratio']):.2f}x | {row['notes']} |")
+            + f" | {ratio(row['seconds_per_round_ratio'])} | "
+            + ", ".join(f"{s:.3f}" for s in row["cpu_seconds_per_round"])
+            + f" | {ratio(row['cpu_seconds_per_round_ratio'])} | "
+            f"{statistics.median(row['server_cpu_seconds_per_round']):.3f} | {row['notes']} |")
     return "\n".join(lines) + "\n"
 
 

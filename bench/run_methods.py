@@ -95,6 +95,12 @@ def summarize(method: str, results: dict[str, Any]) -> dict[str, Any]:
         "mb_up_per_round": sum(r["bytes_up"] for r in rounds) / len(rounds) / MB,
         "mb_down_per_round": sum(r["bytes_down"] for r in rounds) / len(rounds) / MB,
         "seconds_per_round": statistics.median(r["seconds"] for r in steady),
+        # CPU seconds of the clients' handlers plus the server's strategy work: the method's
+        # own cost per round, which (unlike wall time) other jobs on the machine barely move
+        "cpu_seconds_per_round": statistics.median(
+            sum(r.get("cpu_seconds", {}).values()) for r in steady),
+        "server_cpu_seconds_per_round": statistics.median(
+            r.get("cpu_seconds", {}).get("server", 0.0) for r in steady),
         "rounds": len(rounds),
         "notes": notes(results),
     }

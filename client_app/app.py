@@ -3,6 +3,8 @@ model on the client's own test split. Both reply with the client id in a ConfigR
 
 from __future__ import annotations
 
+import time
+
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -21,10 +23,11 @@ def _identity(client: Client) -> ConfigRecord:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    started = time.process_time()  # CPU time of this handler: the client's work, as a metric
     client = Client.from_context(context)
     server_round = int(msg.content["config"]["server-round"])
     received = msg.content["arrays"]
-    model = client.model(received)
+    model = client.model(received, up_to_round=server_round - 1)
     torch.manual_seed(client.settings.seed * 7919 + server_round * 31 + client.partition_id)
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
@@ -34,20 +37,23 @@ def train(msg: Message, context: Context) -> Message:
     return Message(RecordDict({
         "arrays": shared,
         "metrics": MetricRecord({"num-examples": len(client.data.y_train),
-                                 "train-loss": float(loss)}),
+                                 "train-loss": float(loss),
+                                 "cpu-seconds": time.process_time() - started}),
         "client": _identity(client),
     }), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate_personalized(msg: Message, context: Context) -> Message:
+    started = time.process_time()
     client = Client.from_context(context)
     received: ArrayRecord = msg.content["arrays"]
-    model = client.model(received)
+    model = client.model(received, up_to_round=int(msg.content["config"]["server-round"]))
     loss, accuracy = evaluate(model, client.loader(train=False), client.device)
     return Message(RecordDict({
         "metrics": MetricRecord({"num-examples": len(client.data.y_test), "loss": loss,
-                                 "accuracy": accuracy}),
+                                 "accuracy": accuracy,
+                                 "cpu-seconds": time.process_time() - started}),
         "client": _identity(client),
     }), reply_to=msg)
 

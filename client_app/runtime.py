@@ -87,27 +87,42 @@ class Client:
         state_dir = self.context.node_config.get("state-dir")
         return Path(str(state_dir)) / f"{self.client_id}.pt" if state_dir else None
 
-    def personal_state(self) -> dict[str, torch.Tensor]:
+    @property
+    def previous_state_file(self) -> Path | None:
+        """The state of the round before the latest (see ``keep_personal``)."""
+        path = self.state_file
+        return path.with_suffix(".prev.pt") if path else None
+
+    def personal_state(self, up_to_round: int | None = None) -> dict[str, torch.Tensor]:
         """This client's personal parameters: from ``context.state``, else from
-        ``state-dir`` (after a SuperNode restart), else nothing (first round)."""
+        ``state-dir`` (after a SuperNode restart, or in a resumed run), else nothing.
+
+        From disk it takes the newest saved state of this run (any run when ``resume-from``
+        is set) whose round is at most ``up_to_round``: a run stopped during round k+1 and
+        resumed from its round-k checkpoint must not train on the round-k+1 state."""
         if PERSONAL in self.context.state:
             return self.context.state[PERSONAL].to_torch_state_dict()
-        path = self.state_file
-        if path is not None and path.exists():
+        resumed = bool(self.context.run_config.get("resume-from", ""))
+        candidates = []
+        for path in (self.state_file, self.previous_state_file):
+            if path is None or not path.exists():
+                continue
             saved = torch.load(path, map_location="cpu", weights_only=True)
-            # Same run (a restarted SuperNode), or a run resumed from a checkpoint.
-            resumed = bool(self.context.run_config.get("resume-from", ""))
-            if saved.get("run-id") == self.context.run_id or resumed:
-                log(INFO, "client %s: restored personal state from %s (round %s)",
-                    self.client_id, path, saved.get("round"))
-                return saved["personal"]
-        return {}
+            if ((saved.get("run-id") == self.context.run_id or resumed)
+                    and (up_to_round is None or int(saved["round"]) <= up_to_round)):
+                candidates.append((int(saved["round"]), path, saved))
+        if not candidates:
+            return {}
+        saved_round, path, saved = max(candidates, key=lambda c: c[0])
+        log(INFO, "client %s: restored personal state from %s (round %s)",
+            self.client_id, path, saved_round)
+        return saved["personal"]
 
-    def model(self, received: ArrayRecord) -> nn.Module:
-        """The run's model with this client's personal state, then the received shared
-        arrays on top."""
+    def model(self, received: ArrayRecord, up_to_round: int | None = None) -> nn.Module:
+        """The run's model with this client's personal state (see ``personal_state``), then
+        the received shared arrays on top."""
         model = build_model(self.settings)
-        own = {**model.state_dict(), **self.personal_state()}
+        own = {**model.state_dict(), **self.personal_state(up_to_round)}
         model.load_state_dict(self.method.merge_received(
             model, own, received.to_torch_state_dict(), self.settings))
         return model.to(self.device)
@@ -115,8 +130,11 @@ class Client:
     def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord,
                       server_round: int = 0) -> None:
         """Everything that is not both received and sent back is personal (the server will
-        not return it): keep it in ``context.state`` and, with ``state-dir``, on disk
-        (written atomically)."""
+        not return it): keep it in ``context.state`` and, with ``state-dir``, on disk.
+
+        On disk: written atomically (a temporary file, then ``os.replace``); the state of the
+        previous round moves to ``<client-id>.prev.pt`` first, so the last two rounds' states
+        are there for a resume from the previous round's checkpoint."""
         keep = set(self.method.always_personal(model, self.settings))
         personal = {k: v.detach().cpu() for k, v in model.state_dict().items()
                     if k in keep or not (k in received and k in sent)}
@@ -128,6 +146,9 @@ class Client:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
             torch.save({"run-id": self.context.run_id, "method": self.settings.method,
                         "round": server_round, "personal": personal}, tmp)
+        if path.exists() and torch.load(path, map_location="cpu",
+                                        weights_only=True)["round"] != server_round:
+            os.replace(path, self.previous_state_file)
         os.replace(tmp.name, path)
 
     def shared_arrays(self, model: nn.Module, received: ArrayRecord) -> ArrayRecord:

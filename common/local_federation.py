@@ -166,13 +166,23 @@ class LocalFederation:
         output = "".join(lines)
         found = re.search(r"Successfully started run (\d+)", output)
         run_id = found.group(1) if found else None
-        status = ""
+        runs = self.runs(run_id) if run_id is not None else []
+        return FlowerRun(returncode, output, run_id, runs[0]["status"] if runs else "")
+
+    def runs(self, run_id: str | None = None) -> list[dict[str, str]]:
+        """``flwr ls --format json``: every run the SuperLink knows, or just ``run_id``
+        (each a dict with ``run-id``, ``status``, ...)."""
+        command = ["flwr", "ls", "--format", "json"]
         if run_id is not None:
-            listed = subprocess.run(["flwr", "ls", "--run-id", run_id, "--format", "json"],
-                                    env=self.env, capture_output=True, text=True, check=False)
-            runs = json.loads(listed.stdout or "{}").get("runs", [])
-            status = runs[0]["status"] if runs else ""
-        return FlowerRun(returncode, output, run_id, status)
+            command += ["--run-id", str(run_id)]
+        listed = subprocess.run(command, env=self.env, capture_output=True, text=True,
+                                check=False)
+        return json.loads(listed.stdout or "{}").get("runs", [])
+
+    def stop(self, run_id: str) -> None:
+        """``flwr stop RUN_ID``: the SuperLink stops the run's ServerApp."""
+        subprocess.run(["flwr", "stop", str(run_id)], env=self.env, capture_output=True,
+                       text=True, check=True)
 
 
 def main() -> None:

@@ -74,6 +74,8 @@ class ResultsRecorder:
                 entry["eval"] = record.eval
             if record.dropped:
                 entry["dropped"] = record.dropped
+            if record.cpu_seconds:
+                entry["cpu_seconds"] = record.cpu_seconds
             entry.update(record.extra)
         self.rounds.append(entry)
         self.write()

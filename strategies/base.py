@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -77,6 +78,9 @@ class RoundRecord:
     train: dict[str, Any] | None = None
     eval: dict[str, Any] | None = None
     dropped: list[dict[str, Any]] = field(default_factory=list)
+    # CPU seconds: clients' train/evaluate handlers (their ``cpu-seconds`` metric, summed) and
+    # the server's strategy work (message building, validation, aggregation)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific, e.g. similarities
 
 
@@ -149,7 +153,11 @@ class PersonalizedStrategy(FedAvg):
     def identify(self, grid: Grid) -> None:
         """Ask every connected node who it is, before the first round, so that everything
         per client is keyed by client id from the start."""
-        nodes = self.eligible_nodes(grid)
+        nodes = self.connected_nodes(grid)
+        self._identify_nodes(grid, nodes)
+        log(INFO, "identify: %d of %d nodes answered", len(self.client_info), len(nodes))
+
+    def _identify_nodes(self, grid: Grid, nodes: list[int]) -> None:
         replies = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({"action": "identify"})})
                                     for n in nodes})
         for reply, node_id in zip(replies, self._senders(replies), strict=True):
@@ -160,40 +168,95 @@ class PersonalizedStrategy(FedAvg):
             info = dict(reply.content.config_records[CLIENT])
             self.node_to_client[reply.metadata.src_node_id] = str(info["client-id"])
             self.client_info[str(info["client-id"])] = info
-        log(INFO, "identify: %d of %d nodes answered", len(self.client_info), len(nodes))
+
+    def admit_new_nodes(self, server_round: int, grid: Grid, nodes: list[int],
+                        arrays: ArrayRecord) -> None:
+        """Identify nodes that connected since the last exchange, before they get work.
+
+        A restarted SuperNode comes back with a new node id (and an empty ``context.state``).
+        Identifying it first gives it its own per-client downlink at once. A client that
+        was here before (a rejoin) is then evaluated before it trains again: its accuracy
+        right after the restart goes into this round's ``rejoined`` entry, which shows
+        whether its personal state came back (from ``state-dir``)."""
+        new = [n for n in nodes if n not in self.node_to_client]
+        if not new:
+            return
+        known = set(self.client_info)
+        self._identify_nodes(grid, new)
+        rejoined = {n: self.node_to_client[n] for n in new
+                    if self.node_to_client.get(n) in known}
+        if not rejoined:
+            return
+        messages = [Message(RecordDict({
+            ARRAYS: self.downlink(server_round, client_id, arrays),
+            CONFIG: ConfigRecord({"server-round": server_round - 1})}),
+            dst_node_id=node, message_type=MessageType.EVALUATE, group_id=str(server_round))
+            for node, client_id in rejoined.items()]
+        record = self._record(server_round)
+        record.bytes_down_evaluate += sum(m.content[ARRAYS].count_bytes() for m in messages)
+        self._sent = messages
+        replies = grid.send_and_receive(messages, timeout=self.settings.round_timeout)
+        valid = self._valid_replies(server_round, replies, "rejoin", ("accuracy", "loss"), False)
+        scores = {r.client_id: float(r.metrics["accuracy"]) for r in valid}
+        record.extra.setdefault("rejoined", {}).update(scores)
+        for client_id, accuracy in scores.items():
+            log(INFO, "round %d: client %s rejoined (new node); accuracy before training "
+                "%.4f (last before: %s)", server_round, client_id, accuracy,
+                self.per_client_accuracy.get(client_id))
 
     # ------------------------------------------------------------------ messages
     def _record(self, server_round: int) -> RoundRecord:
         return self.history.setdefault(server_round, RoundRecord())
 
-    def eligible_nodes(self, grid: Grid) -> list[int]:
-        """Connected nodes that may be sampled, skipping nodes of ``excluded_clients``.
+    @contextmanager
+    def _server_cpu(self, server_round: int) -> Iterator[None]:
+        """Add this thread's CPU time inside the block to the round's ``server`` seconds."""
+        started = time.thread_time()
+        try:
+            yield
+        finally:
+            cpu = self._record(server_round).cpu_seconds
+            cpu["server"] = cpu.get("server", 0.0) + time.thread_time() - started
 
-        Waits for ``min-nodes`` nodes, but at most ``round-timeout`` seconds: then it goes on
-        with the nodes there are (a dead node must not stall the run), and fails with a clear
-        error only if there are none."""
+    def _add_client_cpu(self, server_round: int, stage: str,
+                        replies: list[ClientReply]) -> None:
+        cpu = self._record(server_round).cpu_seconds
+        cpu[f"clients_{stage}"] = cpu.get(f"clients_{stage}", 0.0) + sum(
+            float(r.metrics.get("cpu-seconds", 0.0)) for r in replies)
+
+    def _not_excluded(self, nodes: list[int]) -> list[int]:
+        """``nodes`` without those of ``excluded_clients``."""
+        return [n for n in nodes if self.node_to_client.get(n) not in self.excluded_clients]
+
+    def connected_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes, once there are ``min-nodes`` of them.
+
+        Waits at most ``round-timeout`` seconds: then it goes on with the nodes there are (a
+        dead node must not stall the run), and fails with a clear error only if there are
+        none."""
         deadline = time.monotonic() + self.settings.round_timeout
         while True:
             nodes = list(grid.get_node_ids())
             if len(nodes) >= self.min_available_nodes:
-                break
+                return nodes
             if time.monotonic() >= deadline:
                 if not nodes:
                     raise RuntimeError(f"no node connected within round-timeout "
                                        f"({self.settings.round_timeout:.0f} s)")
                 log(WARNING, "only %d of min-nodes=%d nodes connected after %.0f s; going on",
                     len(nodes), self.min_available_nodes, self.settings.round_timeout)
-                break
+                return nodes
             log(INFO, "waiting for nodes: %d connected, min-nodes=%d", len(nodes),
                 self.min_available_nodes)
             time.sleep(1)
-        return [n for n in nodes if self.node_to_client.get(n) not in self.excluded_clients]
 
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                   grid: Grid, fraction: float, message_type: str) -> list[Message]:
         if fraction == 0.0:
             return []
-        eligible = self.eligible_nodes(grid)
+        nodes = self.connected_nodes(grid)
+        self.admit_new_nodes(server_round, grid, nodes, arrays)
+        eligible = self._not_excluded(nodes)  # now that every node has its client id
         node_ids = random.sample(eligible, min(len(eligible),
                                                max(int(len(eligible) * fraction), 1)))
         messages = []
@@ -218,13 +281,15 @@ class PersonalizedStrategy(FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        return self._messages(server_round, arrays, config, grid, self.fraction_train,
-                              MessageType.TRAIN)
+        with self._server_cpu(server_round):
+            return self._messages(server_round, arrays, config, grid, self.fraction_train,
+                                  MessageType.TRAIN)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        return self._messages(server_round, arrays, config, grid, self.fraction_evaluate,
-                              MessageType.EVALUATE)
+        with self._server_cpu(server_round):
+            return self._messages(server_round, arrays, config, grid, self.fraction_evaluate,
+                                  MessageType.EVALUATE)
 
     # ------------------------------------------------------------------ validation
     def _senders(self, replies: list[Message]) -> list[int]:
@@ -314,7 +379,13 @@ class PersonalizedStrategy(FedAvg):
     # ------------------------------------------------------------------ aggregation
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        with self._server_cpu(server_round):
+            return self._aggregate_train(server_round, replies)
+
+    def _aggregate_train(self, server_round: int, replies: Iterable[Message]
+                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid = self._valid_replies(server_round, replies, "train", ("train-loss",), True)
+        self._add_client_cpu(server_round, "train", valid)
         if not valid:
             log(WARNING, "round %d: no valid train reply; the shared model is unchanged",
                 server_round)
@@ -327,8 +398,14 @@ class PersonalizedStrategy(FedAvg):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
                            ) -> MetricRecord | None:
+        with self._server_cpu(server_round):
+            return self._aggregate_evaluate(server_round, replies)
+
+    def _aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                            ) -> MetricRecord | None:
         valid = self._valid_replies(server_round, replies, "evaluate", ("accuracy", "loss"),
                                     False)
+        self._add_client_cpu(server_round, "evaluate", valid)
         if not valid:
             return None
         stats = personalized_stats({r.client_id: (float(r.metrics["accuracy"]), r.num_examples)

@@ -58,6 +58,9 @@ def check_results_schema(results: dict[str, Any], method: str, num_rounds: int,
         for key in ("accuracy_weighted", "accuracy_mean", "accuracy_min"):
             assert 0.0 <= evaluation[key] <= 1.0
         assert evaluation["accuracy_min"] == min(evaluation["per_client"].values())
+        # every client's handler and the server's strategy work took some CPU time
+        assert set(entry["cpu_seconds"]) == {"clients_train", "clients_evaluate", "server"}
+        assert all(v > 0 for v in entry["cpu_seconds"].values())
     final = results["final"]
     for key in ("accuracy_weighted", "accuracy_mean", "accuracy_std", "bytes_up_total",
                 "bytes_down_total", "seconds_total"):

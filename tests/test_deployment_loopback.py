@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.local_deployment import LocalDeployment
 from tests.conftest import read_results
@@ -54,11 +55,18 @@ def _rounds_done(out: Path) -> int:
     return len(read_results(out)["rounds"]) if path.exists() else 0
 
 
-def _wait_for(predicate, timeout: float) -> None:
+def _wait_for(predicate, timeout: float, poll: float = 1.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(1)
+        time.sleep(poll)
+
+
+def _in_background(deployment: LocalDeployment, config: dict) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run=deployment.run(ROOT, config)))
+    runner.start()
+    return runner, result
 
 
 def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
@@ -67,26 +75,64 @@ def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 2,
               "round-timeout": timeout, "output-dir": str(out)}
     with LocalDeployment(3, home=tmp_path / "home") as deployment:
-        result = {}
-        runner = threading.Thread(target=lambda: result.update(run=deployment.run(ROOT, config)))
-        runner.start()
-        _wait_for(lambda: _rounds_done(out) >= 1, 900)
+        runner, result = _in_background(deployment, config)
+        _wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
         deployment.kill_site(2)                       # SIGKILL, mid-run
-        _wait_for(lambda: _rounds_done(out) >= 3, 900)
+        # the personal state site-2 had on disk when it died, and the round it is from
+        killed_round = torch.load(deployment.state_dir(2) / "site-2.pt",
+                                  weights_only=True)["round"]
+        _wait_for(lambda: _rounds_done(out) >= killed_round + 2, 900)
         deployment.start_site(2)                      # new node id, empty context.state
         runner.join(1200)
         run = result["run"]
         site_log = (deployment.home / "site-2.log").read_text()
     assert run.ok, run.output[-3000:]
-    rounds = read_results(out)["rounds"]
-    assert len(rounds) == 5
-    missed = [r for r in rounds if any(d["client"] == "site-2" for d in r.get("dropped", []))]
+    rounds = {r["round"]: r for r in read_results(out)["rounds"]}
+    assert sorted(rounds) == [1, 2, 3, 4, 5]
+    missed = [r for r in rounds.values()
+              if any(d["client"] == "site-2" for d in r.get("dropped", []))]
     assert missed, "the dead site's missing replies are not recorded"
     for entry in missed:
         assert all(d["reason"] for d in entry["dropped"])
     # no exchange waits past round-timeout for a dead node: a round is a train and an
     # evaluate exchange, plus the ClientApp processes' own time on a loaded machine
-    assert max(r["seconds"] for r in rounds) < 2 * timeout + 60
-    # the restarted SuperNode read site-2's personal state back from its state-dir
+    assert max(r["seconds"] for r in rounds.values()) < 2 * timeout + 60
+    # the restarted SuperNode read site-2's personal state back from its state-dir ...
     assert "site-2: restored personal state" in site_log
-    assert "site-2" in rounds[-1].get("eval", {}).get("per_client", {}), rounds[-1]
+    # ... and its personalized accuracy right after the restart (evaluated before it trains
+    # again) equals the last one before the kill (``local``: nothing shared changes it)
+    before = rounds[killed_round]["eval"]["per_client"].get("site-2")
+    assert before is not None, f"site-2 died after saving round {killed_round}, unevaluated"
+    rejoined = [r["rejoined"]["site-2"] for r in rounds.values() if "rejoined" in r]
+    assert rejoined == [before]
+    assert "site-2" in rounds[5].get("eval", {}).get("per_client", {}), rounds[5]
+
+
+def test_a_stopped_run_resumes_to_the_same_results(tmp_path):
+    """``flwr stop`` the ServerApp after round 1 of 3, resume from its checkpoint: the
+    results equal an uninterrupted run's (personal state comes back from state-dir)."""
+    base = {**CONFIG, "num-server-rounds": 3}
+    full, stopped, resumed = tmp_path / "full", tmp_path / "stopped", tmp_path / "resumed"
+    with LocalDeployment(3, home=tmp_path / "home") as deployment:
+        uninterrupted = deployment.run(ROOT, {**base, "output-dir": str(full)})
+        assert uninterrupted.ok, uninterrupted.output[-3000:]
+        runner, result = _in_background(deployment, {**base, "output-dir": str(stopped)})
+        _wait_for(lambda: _rounds_done(stopped) >= 1, 900, poll=0.2)
+        running = [r["run-id"] for r in deployment.runs() if r["status"] == "running"]
+        assert len(running) == 1, deployment.runs()
+        deployment.stop(running[0])
+        runner.join(600)
+        assert result["run"].status != "finished:completed", result["run"].status
+        done = _rounds_done(stopped)
+        assert 1 <= done < 3
+        again = deployment.run(ROOT, {**base, "output-dir": str(resumed),
+                                      "resume-from": str(stopped)})
+    assert again.ok, again.output[-3000:]
+    assert f"[resume] from round {done}" in again.output
+    expected, got = read_results(full), read_results(resumed)
+    assert [r["round"] for r in got["rounds"]] == [1, 2, 3]
+    for a, b in zip(expected["rounds"], got["rounds"], strict=True):
+        assert a["eval"]["per_client"] == b["eval"]["per_client"]
+        assert a["train"]["loss"] == b["train"]["loss"]
+    for key in ("accuracy_weighted", "accuracy_mean", "accuracy_min", "bytes_up_total"):
+        assert expected["final"][key] == got["final"][key]

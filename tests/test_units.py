@@ -169,6 +169,30 @@ def test_personal_state_survives_rounds_and_restarts(tmp_path):
     assert not torch.equal(other_run.model(received).head.weight, head)
 
 
+def test_a_resumed_run_takes_the_state_of_its_checkpoint_round(tmp_path):
+    """A run stopped during round 3 (clients already saved their round-3 state) and resumed
+    from its round-2 checkpoint trains round 3 again from the round-2 state."""
+    client = Client.from_context(_context(7, tmp_path))
+    received = ArrayRecord({})
+    heads = {}
+    for server_round in (1, 2, 3):
+        model = client.model(received, up_to_round=server_round - 1)
+        with torch.no_grad():
+            model.head.weight.add_(1.0)
+        client.keep_personal(model, received, client.shared_arrays(model, received),
+                             server_round)
+        heads[server_round] = model.head.weight.detach().clone()
+    resumed_context = _context(8, tmp_path)
+    resumed_context.run_config["resume-from"] = str(tmp_path)
+    resumed = Client.from_context(resumed_context)
+    torch.testing.assert_close(resumed.model(received, up_to_round=2).head.weight, heads[2])
+    torch.testing.assert_close(resumed.model(received).head.weight, heads[3])
+    assert resumed.personal_state(up_to_round=1) == {}  # only the last two rounds are kept
+    # a crash between the two renames leaves only the previous round's file: still found
+    (tmp_path / "site-b.pt").unlink()
+    torch.testing.assert_close(resumed.model(received).head.weight, heads[2])
+
+
 def test_received_arrays_must_fit_the_model(tmp_path):
     client = Client.from_context(_context(1, tmp_path))
     with pytest.raises(ValueError, match="does not fit"):
