@@ -27,7 +27,7 @@ def train(msg: Message, context: Context) -> Message:
     client = Client.from_context(context)
     server_round = int(msg.content["config"]["server-round"])
     received = msg.content["arrays"]
-    model = client.model(received, up_to_round=server_round - 1)
+    model = client.model(received, server_round - 1, msg.content["config"])
     torch.manual_seed(client.settings.seed * 7919 + server_round * 31 + client.partition_id)
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
@@ -48,7 +48,8 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
     started = time.process_time()
     client = Client.from_context(context)
     received: ArrayRecord = msg.content["arrays"]
-    model = client.model(received, up_to_round=int(msg.content["config"]["server-round"]))
+    config = msg.content["config"]
+    model = client.model(received, int(config["server-round"]), config)
     loss, accuracy = evaluate(model, client.loader(train=False), client.device)
     return Message(RecordDict({
         "metrics": MetricRecord({"num-examples": len(client.data.y_test), "loss": loss,

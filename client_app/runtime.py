@@ -7,11 +7,11 @@ import os
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -93,36 +93,51 @@ class Client:
         path = self.state_file
         return path.with_suffix(".prev.pt") if path else None
 
-    def personal_state(self, up_to_round: int | None = None) -> dict[str, torch.Tensor]:
+    def personal_state(self, up_to_round: int | None = None,
+                       message_config: ConfigRecord | None = None) -> dict[str, torch.Tensor]:
         """This client's personal parameters: from ``context.state``, else from
         ``state-dir`` (after a SuperNode restart, or in a resumed run), else nothing.
 
-        From disk it takes the newest saved state of this run (any run when ``resume-from``
-        is set) whose round is at most ``up_to_round``: a run stopped during round k+1 and
-        resumed from its round-k checkpoint must not train on the round-k+1 state."""
+        From disk it takes the newest saved state whose round is at most ``up_to_round`` and
+        that this run saved, or, in a resumed run, one of the runs it continues saved up to
+        the checkpoint's round (the server sends ``resume-runs`` and ``resume-round`` in
+        ``message_config``). So a run stopped during round k+1 and resumed from its round-k
+        checkpoint never trains on the half-finished round's state, and an unrelated run's
+        file in the same ``state-dir`` is never used."""
         if PERSONAL in self.context.state:
             return self.context.state[PERSONAL].to_torch_state_dict()
-        resumed = bool(self.context.run_config.get("resume-from", ""))
-        candidates = []
+        config = message_config or {}
+        resume_runs = {str(r) for r in config.get("resume-runs", [])}
+        resume_round = int(config.get("resume-round", 0))
+        found, usable = [], []
         for path in (self.state_file, self.previous_state_file):
             if path is None or not path.exists():
                 continue
             saved = torch.load(path, map_location="cpu", weights_only=True)
-            if ((saved.get("run-id") == self.context.run_id or resumed)
-                    and (up_to_round is None or int(saved["round"]) <= up_to_round)):
-                candidates.append((int(saved["round"]), path, saved))
-        if not candidates:
+            saved_round, run_id = int(saved["round"]), str(saved.get("run-id"))
+            found.append(f"{path.name}: run {run_id} round {saved_round}")
+            if up_to_round is not None and saved_round > up_to_round:
+                continue
+            if run_id == str(self.context.run_id) or (run_id in resume_runs
+                                                      and saved_round <= resume_round):
+                usable.append((saved_round, path, saved))
+        if not usable:
+            if found and resume_runs:
+                log(WARNING, "client %s: no usable personal state in state-dir (%s; resuming "
+                    "runs %s up to round %d): starting fresh", self.client_id,
+                    ", ".join(found), sorted(resume_runs), resume_round)
             return {}
-        saved_round, path, saved = max(candidates, key=lambda c: c[0])
+        saved_round, path, saved = max(usable, key=lambda c: c[0])
         log(INFO, "client %s: restored personal state from %s (round %s)",
             self.client_id, path, saved_round)
         return saved["personal"]
 
-    def model(self, received: ArrayRecord, up_to_round: int | None = None) -> nn.Module:
+    def model(self, received: ArrayRecord, up_to_round: int | None = None,
+              message_config: ConfigRecord | None = None) -> nn.Module:
         """The run's model with this client's personal state (see ``personal_state``), then
         the received shared arrays on top."""
         model = build_model(self.settings)
-        own = {**model.state_dict(), **self.personal_state(up_to_round)}
+        own = {**model.state_dict(), **self.personal_state(up_to_round, message_config)}
         model.load_state_dict(self.method.merge_received(
             model, own, received.to_torch_state_dict(), self.settings))
         return model.to(self.device)
@@ -146,8 +161,8 @@ class Client:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
             torch.save({"run-id": self.context.run_id, "method": self.settings.method,
                         "round": server_round, "personal": personal}, tmp)
-        if path.exists() and torch.load(path, map_location="cpu",
-                                        weights_only=True)["round"] != server_round:
+        if path.exists() and torch.load(path, map_location="cpu", weights_only=True,
+                                        mmap=True)["round"] != server_round:
             os.replace(path, self.previous_state_file)
         os.replace(tmp.name, path)
 

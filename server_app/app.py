@@ -43,12 +43,20 @@ def main(grid: Grid, context: Context) -> None:
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
         settings.dataset, settings.partitioner, recorder.out_dir)
     first_round, arrays = 1, initial
+    run_ids = [str(context.run_id)]  # this run and the runs it continues
     resume_from = str(context.run_config.get("resume-from", ""))
     if resume_from:
-        first_round, arrays = resume(load_checkpoint(resume_from), strategy, recorder)
+        checkpoint = load_checkpoint(resume_from)
+        first_round, arrays = resume(checkpoint, strategy, recorder)
+        earlier = [str(r) for r in checkpoint.get("run_ids", [])]
+        run_ids = [*earlier, *run_ids]
+        # Clients may continue from personal state saved by these runs, up to this round.
+        strategy.message_config = {"resume-round": checkpoint["round"]}
+        if earlier:
+            strategy.message_config["resume-runs"] = earlier
     strategy.identify(grid)
     arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
-                        settings.num_server_rounds)
+                        settings.num_server_rounds, run_ids)
     extra = strategy.after_training(grid, arrays)
     if extra:
         recorder.extra.update(extra)

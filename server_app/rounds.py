@@ -6,8 +6,10 @@ configure_train -> send_and_receive -> aggregate_train -> configure_evaluate ->
 send_and_receive -> aggregate_evaluate, then results.json and the checkpoint.
 
 The checkpoint (``<output-dir>/checkpoint.pkl``, written atomically) holds the round number,
-the shared arrays, the strategy's per-client tables (``Strategy.checkpoint_state``), the rounds
-of results.json and the sampler's random state. It is a pickle: load only your own.
+the ids of the runs it continues (its lineage: a resumed run's clients accept personal state
+saved by those runs, up to the checkpoint's round), the shared arrays, the strategy's
+per-client tables (``Strategy.checkpoint_state``), the rounds of results.json and the
+sampler's random state. It is a pickle: load only your own.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ CHECKPOINT = "checkpoint.pkl"
 
 
 def save_checkpoint(path: Path, server_round: int, arrays: ArrayRecord,
-                    strategy: PersonalizedStrategy, recorder: ResultsRecorder) -> None:
-    payload = {"round": server_round, "arrays": {k: v.numpy() for k, v in arrays.items()},
+                    strategy: PersonalizedStrategy, recorder: ResultsRecorder,
+                    run_ids: list[str]) -> None:
+    payload = {"round": server_round, "run_ids": run_ids,
+               "arrays": {k: v.numpy() for k, v in arrays.items()},
                "strategy": strategy.checkpoint_state(), "rounds": recorder.rounds,
                "random": random.getstate()}
     tmp = path.with_suffix(".tmp")
@@ -60,7 +64,8 @@ def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
 
 
 def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsRecorder,
-               arrays: ArrayRecord, first_round: int, last_round: int) -> ArrayRecord:
+               arrays: ArrayRecord, first_round: int, last_round: int,
+               run_ids: list[str]) -> ArrayRecord:
     timeout = strategy.settings.round_timeout
     recorder.on_round(0, arrays)  # starts the round clock, writes results.json
     for server_round in range(first_round, last_round + 1):
@@ -77,5 +82,5 @@ def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsReco
         strategy.aggregate_evaluate(server_round, replies)
         recorder.on_round(server_round, arrays)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
-                        recorder)
+                        recorder, run_ids)
     return arrays

@@ -107,13 +107,21 @@ class PersonalizedStrategy(FedAvg):
         self.per_client_accuracy: dict[str, float] = {}
         self.client_info: dict[str, dict[str, Any]] = {}  # from the "identify" query
         self.excluded_clients: set[str] = set()  # never sampled for train/evaluate
+        self.replaced_nodes: set[int] = set()  # old node ids of clients that came back
+        # added to every train/evaluate message's config (resume lineage, see server_app)
+        self.message_config: dict[str, Any] = {}
+        self._identify_tried: dict[int, int] = {}  # node -> round of its last identify
+        self._rejoined_at_evaluate: set[str] = set()
         self._sent: list[Message] = []
 
     # ------------------------------------------------------------------ method hooks
     def downlink(self, server_round: int, client_id: str | None,
                  arrays: ArrayRecord) -> ArrayRecord:
-        """The arrays one client receives; ``client_id`` is None for a node not seen yet."""
+        """The arrays one client receives (``client_id`` None: any client, e.g. a report)."""
         return arrays
+
+    def on_identified(self, client_id: str, info: dict[str, Any]) -> None:
+        """A node told the server who it is (at the start or when it joins later)."""
 
     def expected_uplink(self, client_id: str, info: ConfigRecord) -> ArraySpec:
         """key -> (shape, dtype) that a client's train reply must carry exactly (``info``:
@@ -161,35 +169,51 @@ class PersonalizedStrategy(FedAvg):
         replies = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({"action": "identify"})})
                                     for n in nodes})
         for reply, node_id in zip(replies, self._senders(replies), strict=True):
-            if reply.has_error() or CLIENT not in reply.content.config_records:
+            info = (None if reply.has_error() else reply.content.config_records.get(CLIENT))
+            if info is None or not isinstance(info.get("client-id"), str):
                 log(WARNING, "identify: node %d did not answer (%s)", node_id,
-                    reply.error.reason if reply.has_error() else "no client record")
+                    reply.error.reason if reply.has_error() else "no client id")
                 continue
-            info = dict(reply.content.config_records[CLIENT])
-            self.node_to_client[reply.metadata.src_node_id] = str(info["client-id"])
-            self.client_info[str(info["client-id"])] = info
+            client_id = str(info["client-id"])
+            # an earlier node of this client (a SuperNode that restarted) is gone for good
+            self.replaced_nodes.update(n for n, c in self.node_to_client.items()
+                                       if c == client_id and n != node_id)
+            self.node_to_client[node_id] = client_id
+            self.client_info[client_id] = dict(info)
+            self.on_identified(client_id, dict(info))
 
-    def admit_new_nodes(self, server_round: int, grid: Grid, nodes: list[int],
+    def admit_new_nodes(self, server_round: int, stage: str, grid: Grid, nodes: list[int],
                         arrays: ArrayRecord) -> None:
         """Identify nodes that connected since the last exchange, before they get work.
 
-        A restarted SuperNode comes back with a new node id (and an empty ``context.state``).
-        Identifying it first gives it its own per-client downlink at once. A client that
-        was here before (a rejoin) is then evaluated before it trains again: its accuracy
-        right after the restart goes into this round's ``rejoined`` entry, which shows
-        whether its personal state came back (from ``state-dir``)."""
-        new = [n for n in nodes if n not in self.node_to_client]
+        A restarted SuperNode comes back with a new node id (and an empty ``context.state``);
+        identified first, it gets its own per-client downlink at once, and its old node id is
+        no longer sampled. A node is asked at most once a round (a node that does not answer
+        is not sampled), so a round with newcomers waits at most one extra ``round-timeout``
+        for them, plus one for a rejoin evaluation.
+
+        A client that was here before (a rejoin) is evaluated before it trains again, and its
+        accuracy goes into this round's ``rejoined`` entry, which shows whether its personal
+        state came back (from ``state-dir``). At the train exchange that is an extra evaluate
+        message; at the evaluate exchange the regular evaluation is that first one."""
+        new = [n for n in nodes if n not in self.node_to_client and n not in self.replaced_nodes
+               and self._identify_tried.get(n) != server_round]
         if not new:
             return
+        for node in new:
+            self._identify_tried[node] = server_round
         known = set(self.client_info)
         self._identify_nodes(grid, new)
         rejoined = {n: self.node_to_client[n] for n in new
-                    if self.node_to_client.get(n) in known}
+                    if self.node_to_client.get(n) in known - self.excluded_clients}
         if not rejoined:
+            return
+        if stage == MessageType.EVALUATE:
+            self._rejoined_at_evaluate.update(rejoined.values())
             return
         messages = [Message(RecordDict({
             ARRAYS: self.downlink(server_round, client_id, arrays),
-            CONFIG: ConfigRecord({"server-round": server_round - 1})}),
+            CONFIG: ConfigRecord({**self.message_config, "server-round": server_round - 1})}),
             dst_node_id=node, message_type=MessageType.EVALUATE, group_id=str(server_round))
             for node, client_id in rejoined.items()]
         record = self._record(server_round)
@@ -197,12 +221,23 @@ class PersonalizedStrategy(FedAvg):
         self._sent = messages
         replies = grid.send_and_receive(messages, timeout=self.settings.round_timeout)
         valid = self._valid_replies(server_round, replies, "rejoin", ("accuracy", "loss"), False)
-        scores = {r.client_id: float(r.metrics["accuracy"]) for r in valid}
-        record.extra.setdefault("rejoined", {}).update(scores)
+        self._add_client_cpu(server_round, "evaluate", valid)
+        self._record_rejoined(server_round, valid)
+
+    def _record_rejoined(self, server_round: int, replies: list[ClientReply]) -> None:
+        scores = {r.client_id: float(r.metrics["accuracy"]) for r in replies}
+        self._record(server_round).extra.setdefault("rejoined", {}).update(scores)
         for client_id, accuracy in scores.items():
             log(INFO, "round %d: client %s rejoined (new node); accuracy before training "
-                "%.4f (last before: %s)", server_round, client_id, accuracy,
+                "again %.4f (last before: %s)", server_round, client_id, accuracy,
                 self.per_client_accuracy.get(client_id))
+
+    def _samplable(self, nodes: list[int]) -> list[int]:
+        """Identified nodes, not replaced, not of ``excluded_clients``, in client order (so
+        sampling does not depend on node ids, which change between runs)."""
+        ok = [n for n in nodes if n in self.node_to_client and n not in self.replaced_nodes
+              and self.node_to_client[n] not in self.excluded_clients]
+        return sorted(ok, key=lambda n: client_order(self.node_to_client[n]))
 
     # ------------------------------------------------------------------ messages
     def _record(self, server_round: int) -> RoundRecord:
@@ -210,23 +245,20 @@ class PersonalizedStrategy(FedAvg):
 
     @contextmanager
     def _server_cpu(self, server_round: int) -> Iterator[None]:
-        """Add this thread's CPU time inside the block to the round's ``server`` seconds."""
-        started = time.thread_time()
+        """Add the process's CPU time inside the block (BLAS threads included) to the round's
+        ``server`` seconds."""
+        started = time.process_time()
         try:
             yield
         finally:
             cpu = self._record(server_round).cpu_seconds
-            cpu["server"] = cpu.get("server", 0.0) + time.thread_time() - started
+            cpu["server"] = cpu.get("server", 0.0) + time.process_time() - started
 
     def _add_client_cpu(self, server_round: int, stage: str,
                         replies: list[ClientReply]) -> None:
         cpu = self._record(server_round).cpu_seconds
         cpu[f"clients_{stage}"] = cpu.get(f"clients_{stage}", 0.0) + sum(
             float(r.metrics.get("cpu-seconds", 0.0)) for r in replies)
-
-    def _not_excluded(self, nodes: list[int]) -> list[int]:
-        """``nodes`` without those of ``excluded_clients``."""
-        return [n for n in nodes if self.node_to_client.get(n) not in self.excluded_clients]
 
     def connected_nodes(self, grid: Grid) -> list[int]:
         """The connected nodes, once there are ``min-nodes`` of them.
@@ -253,10 +285,11 @@ class PersonalizedStrategy(FedAvg):
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                   grid: Grid, fraction: float, message_type: str) -> list[Message]:
         if fraction == 0.0:
+            self._sent = []
             return []
         nodes = self.connected_nodes(grid)
-        self.admit_new_nodes(server_round, grid, nodes, arrays)
-        eligible = self._not_excluded(nodes)  # now that every node has its client id
+        self.admit_new_nodes(server_round, message_type, grid, nodes, arrays)
+        eligible = self._samplable(nodes)
         node_ids = random.sample(eligible, min(len(eligible),
                                                max(int(len(eligible) * fraction), 1)))
         messages = []
@@ -264,7 +297,8 @@ class PersonalizedStrategy(FedAvg):
             client_id = self.node_to_client.get(node_id)
             content = RecordDict({   # a fresh RecordDict per node: never shared between nodes
                 ARRAYS: self.downlink(server_round, client_id, arrays),
-                CONFIG: ConfigRecord({**config, "server-round": server_round}),
+                CONFIG: ConfigRecord({**config, **self.message_config,
+                                      "server-round": server_round}),
             })
             messages.append(Message(content, dst_node_id=node_id, message_type=message_type,
                                     group_id=str(server_round)))
@@ -406,6 +440,10 @@ class PersonalizedStrategy(FedAvg):
         valid = self._valid_replies(server_round, replies, "evaluate", ("accuracy", "loss"),
                                     False)
         self._add_client_cpu(server_round, "evaluate", valid)
+        rejoined = [r for r in valid if r.client_id in self._rejoined_at_evaluate]
+        if rejoined:
+            self._record_rejoined(server_round, rejoined)
+            self._rejoined_at_evaluate.difference_update(r.client_id for r in rejoined)
         if not valid:
             return None
         stats = personalized_stats({r.client_id: (float(r.metrics["accuracy"]), r.num_examples)

@@ -150,7 +150,7 @@ class FedFacStrategy(PersonalizedStrategy):
                 [r.arrays[f"{layer}.weight"].numpy() for r in replies], self.kappa,
                 self.tau_quantile, None if previous is None else np.clip(1 - previous, 0, 1))
             self.communalities[layer] = nu
-            mask = self._reference_split(layer, mask)
+            mask = self._reference_split(server_round, layer, mask)
             kept = None if self.split is None else float((self.split[layer] == mask).mean())
             split[layer] = mask
             report[layer] = {"shared": np.flatnonzero(mask).tolist(),
@@ -164,14 +164,15 @@ class FedFacStrategy(PersonalizedStrategy):
         self.split = split
         self._record(server_round).extra["fedfac"] = report
 
-    def _reference_split(self, layer: str, estimated: np.ndarray) -> np.ndarray:
+    def _reference_split(self, server_round: int, layer: str, estimated: np.ndarray
+                         ) -> np.ndarray:
         """``fedfac.split``: ``estimate`` (FedFac), or a reference for benchmarks: ``true``
         (the synthetic generator's split of the first analysed layer's units) or ``random``
         (as many shared elements as estimated, chosen at random; seeded)."""
         if self.reference == "true" and layer == self.layers[0]:
             return self.true_shared.copy()
         if self.reference == "random":
-            rng = np.random.default_rng([self.settings.seed, len(self.history)])
+            rng = np.random.default_rng([self.settings.seed, server_round])
             mask = np.zeros_like(estimated)
             mask[rng.choice(len(mask), int(estimated.sum()), replace=False)] = True
             return mask
@@ -208,21 +209,18 @@ class FedFacStrategy(PersonalizedStrategy):
         return ArrayRecord(out)
 
     # ------------------------------------------------------------------ new clients
-    def identify(self, grid: Grid) -> None:
+    def on_identified(self, client_id: str, info: dict[str, Any]) -> None:
         """Hold the last ``fedfac.new-clients`` fraction of partitions out of training."""
-        super().identify(grid)
         fraction = self.settings.setting("fedfac.new-clients", float, 0.0)
-        for client_id, info in self.client_info.items():
-            total = int(info["num-partitions"])
-            held_out = max(1, round(fraction * total)) if fraction > 0 else 0
-            if int(info["partition-id"]) >= total - held_out:
-                self.excluded_clients.add(client_id)
-        if self.excluded_clients:
-            log(INFO, "fedfac: new clients held out of training: %s",
-                sorted(self.excluded_clients, key=client_order))
+        total = int(info["num-partitions"])
+        held_out = max(1, round(fraction * total)) if fraction > 0 else 0
+        if int(info["partition-id"]) >= total - held_out and client_id not in self.excluded_clients:
+            self.excluded_clients.add(client_id)
+            log(INFO, "fedfac: new client %s held out of training", client_id)
 
     def _nodes_of(self, clients: set[str]) -> list[int]:
-        return [n for n, c in self.node_to_client.items() if c in clients]
+        return [n for n, c in self.node_to_client.items()
+                if c in clients and n not in self.replaced_nodes]
 
     def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
         """Table 3 of the paper: new clients with LocalTrain and with Ensemble."""

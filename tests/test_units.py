@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
 
 from client_app.runtime import Client
 from common.config import RunSettings
@@ -170,8 +170,8 @@ def test_personal_state_survives_rounds_and_restarts(tmp_path):
 
 
 def test_a_resumed_run_takes_the_state_of_its_checkpoint_round(tmp_path):
-    """A run stopped during round 3 (clients already saved their round-3 state) and resumed
-    from its round-2 checkpoint trains round 3 again from the round-2 state."""
+    """Run 7 stopped during round 3 (its clients already saved their round-3 state); run 8
+    resumes from run 7's round-2 checkpoint and trains round 3 again from the round-2 state."""
     client = Client.from_context(_context(7, tmp_path))
     received = ArrayRecord({})
     heads = {}
@@ -182,15 +182,19 @@ def test_a_resumed_run_takes_the_state_of_its_checkpoint_round(tmp_path):
         client.keep_personal(model, received, client.shared_arrays(model, received),
                              server_round)
         heads[server_round] = model.head.weight.detach().clone()
-    resumed_context = _context(8, tmp_path)
-    resumed_context.run_config["resume-from"] = str(tmp_path)
-    resumed = Client.from_context(resumed_context)
-    torch.testing.assert_close(resumed.model(received, up_to_round=2).head.weight, heads[2])
-    torch.testing.assert_close(resumed.model(received).head.weight, heads[3])
-    assert resumed.personal_state(up_to_round=1) == {}  # only the last two rounds are kept
+    resumed = Client.from_context(_context(8, tmp_path))
+    lineage = ConfigRecord({"resume-runs": ["7"], "resume-round": 2})
+    for up_to_round in (2, 3, None):  # train round 3, evaluate round 3, a report
+        torch.testing.assert_close(
+            resumed.model(received, up_to_round, lineage).head.weight, heads[2])
+    assert resumed.personal_state(1, lineage) == {}  # only the last two rounds are kept
+    # without the lineage (a fresh run, or one resumed from elsewhere) nothing is taken
+    assert resumed.personal_state(3) == {}
+    other = ConfigRecord({"resume-runs": ["5"], "resume-round": 2})
+    assert resumed.personal_state(3, other) == {}
     # a crash between the two renames leaves only the previous round's file: still found
     (tmp_path / "site-b.pt").unlink()
-    torch.testing.assert_close(resumed.model(received).head.weight, heads[2])
+    torch.testing.assert_close(resumed.model(received, 3, lineage).head.weight, heads[2])
 
 
 def test_received_arrays_must_fit_the_model(tmp_path):

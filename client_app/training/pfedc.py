@@ -42,9 +42,9 @@ def min_norm_weights(gram: np.ndarray) -> np.ndarray:
 def mgda_ub_weights(losses: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """MGDA-UB task weights from the gradients of each loss (``losses``: shape ``(T,)``)
     with respect to the representation ``z``; all ``T`` gradients in one batched backward."""
-    (grads,) = torch.autograd.grad(losses, z, grad_outputs=torch.eye(len(losses), dtype=z.dtype,
-                                                                      device=z.device),
-                                   retain_graph=True, is_grads_batched=True)
+    one_per_task = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
+    (grads,) = torch.autograd.grad(losses, z, grad_outputs=one_per_task, retain_graph=True,
+                                   is_grads_batched=True)
     grads = grads.flatten(1)
     grads = grads / (losses.detach().clamp_min(1e-8)
                      * grads.norm(dim=1).clamp_min(1e-12)).unsqueeze(1)
