@@ -1,7 +1,13 @@
 """A real multi-process deployment on this machine: ``flower-superlink`` plus N
-``flower-supernode`` processes on loopback (each with its own port, node config and state
-directory), optionally with TLS. ``flwr run`` then goes through the Deployment Runtime exactly
-as against a remote SuperLink with real devices.
+``flower-supernode`` processes (each with its own port, node config and state directory),
+optionally with TLS. ``flwr run`` then goes through the Deployment Runtime exactly as against a
+remote SuperLink with real devices.
+
+Sites talk to the SuperLink over loopback, or, with ``namespaces=True`` (needs ``ip netns``,
+i.e. CAP_NET_ADMIN; see ``namespaces_available``), each site's SuperNode and the ClientApp
+processes it starts run in their own network namespace with their own address
+(``198.18.<k>.2``, RFC 2544 benchmarking space) behind a veth pair, so they reach the SuperLink
+only over a network link, as separate machines would.
 
     with LocalDeployment(num_sites=3, certs_dir=None) as deployment:
         run = deployment.run(".", {"method": "fedper"})
@@ -12,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -22,14 +30,64 @@ from typing import Any
 from common.local_federation import FlowerRun, LocalFederation, free_port
 
 
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def namespaces_available() -> bool:
+    """Whether this machine lets us create network namespaces and veth pairs."""
+    if shutil.which("ip") is None:
+        return False
+    probe = f"pflprobe{secrets.token_hex(3)}"
+    try:
+        _ip("netns", "add", probe)
+        _ip("netns", "del", probe)
+        return True
+    except (subprocess.CalledProcessError, OSError):
+        return False
+
+
 class LocalDeployment(LocalFederation):
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
-                 home: str | Path | None = None) -> None:
+                 home: str | Path | None = None, namespaces: bool = False) -> None:
         super().__init__(home)
         self.num_sites = num_sites
         self.certs_dir = Path(certs_dir) if certs_dir else None
         self.site_ports = [free_port() for _ in range(num_sites)]
         self.sites: dict[int, subprocess.Popen] = {}
+        self.namespaces = namespaces
+        self._tag = secrets.token_hex(2)  # names of this deployment's namespaces and links
+        self._block = secrets.randbelow(256 - num_sites)  # its 198.18.<block + site>.0/24
+
+    def namespace(self, site: int) -> str:
+        return f"pfl{self._tag}s{site}"
+
+    def site_address(self, site: int) -> str:
+        """Where the site's SuperNode runs: its own address, or loopback."""
+        return f"198.18.{self._block + site}.2" if self.namespaces else "127.0.0.1"
+
+    def _superlink_address(self, site: int) -> str:
+        return f"198.18.{self._block + site}.1" if self.namespaces else "127.0.0.1"
+
+    def _make_namespace(self, site: int) -> None:
+        """A network namespace for the site, linked to the host by a veth pair."""
+        name, host_end, site_end = (self.namespace(site), f"pfl{self._tag}h{site}",
+                                    f"pfl{self._tag}n{site}")
+        _ip("netns", "add", name)
+        _ip("link", "add", host_end, "type", "veth", "peer", "name", site_end)
+        _ip("link", "set", site_end, "netns", name)
+        _ip("addr", "add", f"{self._superlink_address(site)}/24", "dev", host_end)
+        _ip("link", "set", host_end, "up")
+        for args in (("addr", "add", f"{self.site_address(site)}/24", "dev", site_end),
+                     ("link", "set", site_end, "up"), ("link", "set", "lo", "up")):
+            _ip("netns", "exec", name, "ip", *args)
+
+    def _remove_namespaces(self) -> None:
+        for site in range(self.num_sites):
+            for args in (("link", "del", f"pfl{self._tag}h{site}"),
+                         ("netns", "del", self.namespace(site))):
+                with contextlib.suppress(subprocess.CalledProcessError, OSError):
+                    _ip(*args)
 
     def _spawn(self, command: list[str], log_name: str) -> subprocess.Popen:
         log = open(self.home / log_name, "ab")  # noqa: SIM115 (outlives this call)
@@ -50,8 +108,16 @@ class LocalDeployment(LocalFederation):
         (self.home / "config.toml").write_text(
             '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
             f'address = "127.0.0.1:{self.http_port}"\n{connection}\n')
+        if self.namespaces:
+            try:
+                for site in range(self.num_sites):
+                    self._make_namespace(site)
+            except (subprocess.CalledProcessError, OSError):
+                self._remove_namespaces()
+                raise
         self.process = self._spawn(
-            ["flower-superlink", *security, "--host", "127.0.0.1", "--port",
+            ["flower-superlink", *security, "--host",
+             "0.0.0.0" if self.namespaces else "127.0.0.1", "--port",
              str(self.http_port), "--database", str(self.home / "state.db"),
              "--disable-runtime-dependency-installation"], "superlink.log")
         self._wait_healthy()
@@ -84,8 +150,10 @@ class LocalDeployment(LocalFederation):
                     if self.certs_dir else ["--insecure"])
         node_config = (f"partition-id={site} num-partitions={self.num_sites} "
                        f"client-id='site-{site}' state-dir='{self.state_dir(site)}'")
+        prefix = ["ip", "netns", "exec", self.namespace(site)] if self.namespaces else []
         self.sites[site] = self._spawn(
-            ["flower-supernode", *security, "--superlink", f"127.0.0.1:{self.http_port}",
+            [*prefix, "flower-supernode", *security, "--superlink",
+             f"{self._superlink_address(site)}:{self.http_port}",
              "--host", "127.0.0.1", "--port", str(self.site_ports[site]),
              "--node-config", node_config], f"site-{site}.log")
 
@@ -106,6 +174,8 @@ class LocalDeployment(LocalFederation):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
         super().__exit__(*exc)
+        if self.namespaces:
+            self._remove_namespaces()
 
     def run(self, app_dir: str | Path, run_config: dict[str, Any] | None = None, *,
             timeout: float = 900, echo: bool = False, **_: Any) -> FlowerRun:

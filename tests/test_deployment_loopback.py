@@ -1,8 +1,11 @@
-"""Integration: a real Deployment Runtime on loopback (flower-superlink + 3 flower-supernode
-processes, each with its own port, node config and state dir), insecure and with TLS."""
+"""Integration: a real Deployment Runtime (flower-superlink + 3 flower-supernode processes,
+each with its own port, node config and state dir; in their own network namespaces where the
+machine allows, else on loopback), insecure and with TLS, a killed and restarted SuperNode,
+and a stopped and resumed run."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.local_deployment import LocalDeployment
+from common.local_deployment import LocalDeployment, namespaces_available
 from server_app.rounds import load_checkpoint
 from tests.conftest import read_results
 
@@ -32,8 +35,20 @@ def _check(run, out: Path, tmp: Path, deployment: LocalDeployment) -> None:
         assert (deployment.state_dir(site) / f"site-{site}.pt").exists()
 
 
+NAMESPACES = namespaces_available()
+
+
+def _net_namespace(pid: int | str) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
 def test_insecure_deployment_runs_a_personalized_method(tmp_path):
-    with LocalDeployment(3, home=tmp_path / "home") as deployment:
+    """Each SuperNode in its own network namespace with its own address where the machine
+    allows it (``ip netns``), else on loopback."""
+    with LocalDeployment(3, home=tmp_path / "home", namespaces=NAMESPACES) as deployment:
+        if NAMESPACES:
+            site_namespaces = {_net_namespace(p.pid) for p in deployment.sites.values()}
+            assert len(site_namespaces) == 3 and _net_namespace("self") not in site_namespaces
         out = tmp_path / "out"
         run = deployment.run(ROOT, {**CONFIG, "output-dir": str(out)})
         _check(run, out, tmp_path, deployment)
