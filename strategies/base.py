@@ -108,6 +108,7 @@ class PersonalizedStrategy(FedAvg):
         self.client_info: dict[str, dict[str, Any]] = {}  # from the "identify" query
         self.excluded_clients: set[str] = set()  # never sampled for train/evaluate
         self.replaced_nodes: set[int] = set()  # old node ids of clients that came back
+        self.silent_nodes: set[int] = set()  # no reply to their last identify query
         # added to every train/evaluate message's config (resume lineage, see server_app)
         self.message_config: dict[str, Any] = {}
         self._identify_tried: dict[int, int] = {}  # node -> round of its last identify
@@ -166,9 +167,15 @@ class PersonalizedStrategy(FedAvg):
         log(INFO, "identify: %d of %d nodes answered", len(self.client_info), len(nodes))
 
     def _identify_nodes(self, grid: Grid, nodes: list[int]) -> None:
+        """Ask ``nodes`` who they are. A node that does not reply at all is ``silent`` (not
+        sampled until it replies); one that replies without a client id (a ClientApp without
+        the ``identify`` query) is alive and is learned from its train replies instead."""
         replies = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({"action": "identify"})})
                                     for n in nodes})
-        for reply, node_id in zip(replies, self._senders(replies), strict=True):
+        senders = self._senders(replies)
+        self.silent_nodes.update(set(nodes) - set(senders))
+        self.silent_nodes.difference_update(senders)
+        for reply, node_id in zip(replies, senders, strict=True):
             info = (None if reply.has_error() else reply.content.config_records.get(CLIENT))
             if info is None or not isinstance(info.get("client-id"), str):
                 log(WARNING, "identify: node %d did not answer (%s)", node_id,
@@ -188,9 +195,9 @@ class PersonalizedStrategy(FedAvg):
 
         A restarted SuperNode comes back with a new node id (and an empty ``context.state``);
         identified first, it gets its own per-client downlink at once, and its old node id is
-        no longer sampled. A node is asked at most once a round (a node that does not answer
-        is not sampled), so a round with newcomers waits at most one extra ``round-timeout``
-        for them, plus one for a rejoin evaluation.
+        no longer sampled. A node is asked at most once a round (a node that does not reply is
+        not sampled), so a round with newcomers waits at most one extra ``round-timeout`` for
+        them, plus one for a rejoin evaluation.
 
         A client that was here before (a rejoin) is evaluated before it trains again, and its
         accuracy goes into this round's ``rejoined`` entry, which shows whether its personal
@@ -233,11 +240,16 @@ class PersonalizedStrategy(FedAvg):
                 self.per_client_accuracy.get(client_id))
 
     def _samplable(self, nodes: list[int]) -> list[int]:
-        """Identified nodes, not replaced, not of ``excluded_clients``, in client order (so
-        sampling does not depend on node ids, which change between runs)."""
-        ok = [n for n in nodes if n in self.node_to_client and n not in self.replaced_nodes
-              and self.node_to_client[n] not in self.excluded_clients]
-        return sorted(ok, key=lambda n: client_order(self.node_to_client[n]))
+        """Nodes that are not silent, not replaced and not of ``excluded_clients``, in client
+        order (so sampling does not depend on node ids, which change between runs)."""
+        ok = [n for n in nodes if n not in self.silent_nodes and n not in self.replaced_nodes
+              and self.node_to_client.get(n) not in self.excluded_clients]
+
+        def order(node: int) -> tuple[int, str]:
+            client_id = self.node_to_client.get(node)
+            return client_order(client_id) if client_id else (1 << 31, str(node))
+
+        return sorted(ok, key=order)
 
     # ------------------------------------------------------------------ messages
     def _record(self, server_round: int) -> RoundRecord:
