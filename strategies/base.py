@@ -91,6 +91,10 @@ class ReplyError(ValueError):
 class PersonalizedStrategy(FedAvg):
     """FedAvg over a method's shared parameters, with per-node messages and validation."""
 
+    # Attributes saved in the server checkpoint and restored on resume; a method adds its
+    # per-client tables (``(*PersonalizedStrategy.checkpointed, "split")``).
+    checkpointed: tuple[str, ...] = ("per_client_accuracy",)
+
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
         super().__init__(
             fraction_train=settings.fraction_train,
@@ -139,11 +143,13 @@ class PersonalizedStrategy(FedAvg):
         return {}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything this strategy needs to continue a run (picklable)."""
-        return {"per_client_accuracy": self.per_client_accuracy}
+        """Everything this strategy needs to continue a run: its ``checkpointed``
+        attributes (picklable)."""
+        return {name: getattr(self, name) for name in self.checkpointed}
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        self.per_client_accuracy = dict(state["per_client_accuracy"])
+        for name in self.checkpointed:
+            setattr(self, name, state[name])
 
     def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
         """Work after the last round (e.g. FedFac's new-client evaluation); its result goes
@@ -218,13 +224,9 @@ class PersonalizedStrategy(FedAvg):
         if stage == MessageType.EVALUATE:
             self._rejoined_at_evaluate.update(rejoined.values())
             return
-        messages = [Message(RecordDict({
-            ARRAYS: self.downlink(server_round, client_id, arrays),
-            CONFIG: ConfigRecord({**self.message_config, "server-round": server_round - 1})}),
-            dst_node_id=node, message_type=MessageType.EVALUATE, group_id=str(server_round))
-            for node, client_id in rejoined.items()]
-        record = self._record(server_round)
-        record.bytes_down_evaluate += sum(m.content[ARRAYS].count_bytes() for m in messages)
+        # the state it came back with: not ahead of the last completed round
+        messages = self._addressed(server_round, rejoined, arrays, ConfigRecord(),
+                                   MessageType.EVALUATE, server_round - 1)
         self._sent = messages
         replies = grid.send_and_receive(messages, timeout=self.settings.round_timeout)
         valid = self._valid_replies(server_round, replies, "rejoin", ("accuracy", "loss"), False)
@@ -294,6 +296,25 @@ class PersonalizedStrategy(FedAvg):
                 self.min_available_nodes)
             time.sleep(1)
 
+    def _addressed(self, server_round: int, clients: dict[int, str | None], arrays: ArrayRecord,
+                   config: ConfigRecord, message_type: str, config_round: int
+                   ) -> list[Message]:
+        """One message per node (``clients``: node -> client id) with its own downlink, the
+        run's ``message_config`` and ``server-round = config_round``; the arrays' bytes go
+        into the round's downlink count."""
+        messages = [Message(RecordDict({   # a fresh RecordDict per node: never shared
+            ARRAYS: self.downlink(server_round, client_id, arrays),
+            CONFIG: ConfigRecord({**config, **self.message_config, "server-round": config_round}),
+        }), dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
+            for node_id, client_id in clients.items()]
+        down = sum(m.content[ARRAYS].count_bytes() for m in messages)
+        record = self._record(server_round)
+        if message_type == MessageType.TRAIN:
+            record.bytes_down_train += down
+        else:
+            record.bytes_down_evaluate += down
+        return messages
+
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                   grid: Grid, fraction: float, message_type: str) -> list[Message]:
         if fraction == 0.0:
@@ -304,22 +325,8 @@ class PersonalizedStrategy(FedAvg):
         eligible = self._samplable(nodes)
         node_ids = random.sample(eligible, min(len(eligible),
                                                max(int(len(eligible) * fraction), 1)))
-        messages = []
-        for node_id in node_ids:
-            client_id = self.node_to_client.get(node_id)
-            content = RecordDict({   # a fresh RecordDict per node: never shared between nodes
-                ARRAYS: self.downlink(server_round, client_id, arrays),
-                CONFIG: ConfigRecord({**config, **self.message_config,
-                                      "server-round": server_round}),
-            })
-            messages.append(Message(content, dst_node_id=node_id, message_type=message_type,
-                                    group_id=str(server_round)))
-        down = sum(m.content[ARRAYS].count_bytes() for m in messages)
-        record = self._record(server_round)
-        if message_type == MessageType.TRAIN:
-            record.bytes_down_train += down
-        else:
-            record.bytes_down_evaluate += down
+        messages = self._addressed(server_round, {n: self.node_to_client.get(n) for n in node_ids},
+                                   arrays, config, message_type, server_round)
         self._sent = messages
         if message_type == MessageType.TRAIN:
             self.global_arrays = arrays

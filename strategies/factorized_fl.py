@@ -81,6 +81,8 @@ def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float
 
 
 class FactorizedFLStrategy(PersonalizedStrategy):
+    checkpointed = (*PersonalizedStrategy.checkpointed, "latest", "personal")
+
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
         super().__init__(settings, initial_arrays)
         from strategies.registry import build_model  # the registry imports this module
@@ -119,17 +121,6 @@ class FactorizedFLStrategy(PersonalizedStrategy):
     def downlink(self, server_round: int, client_id: str | None,
                  arrays: ArrayRecord) -> ArrayRecord:
         return self.personal.get(client_id, arrays) if client_id is not None else arrays
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), "latest": self.latest,
-                "personal": {c: {k: v.numpy() for k, v in a.items()}
-                             for c, a in self.personal.items()}}
-
-    def restore_state(self, state: dict[str, Any]) -> None:
-        super().restore_state(state)
-        self.latest = state["latest"]
-        self.personal = {c: ArrayRecord({k: Array(v) for k, v in a.items()})
-                         for c, a in state["personal"].items()}
 
     def state_tables(self) -> dict[str, Any]:
         return {"factorized-fl": {"known_clients": sorted(self.latest, key=client_order)}}

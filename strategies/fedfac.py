@@ -102,6 +102,8 @@ def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
 
 # ---------------------------------------------------------------------- server
 class FedFacStrategy(PersonalizedStrategy):
+    checkpointed = (*PersonalizedStrategy.checkpointed, "split", "communalities")
+
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
         super().__init__(settings, initial_arrays)
         from strategies.registry import build_model  # the registry imports this module
@@ -255,14 +257,6 @@ class FedFacStrategy(PersonalizedStrategy):
         log(INFO, "fedfac new clients: LocalTrain %s, Ensemble %s",
             report["localtrain"]["accuracy_mean"], report["ensemble"]["accuracy_mean"])
         return {"new_clients": report}
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), "split": self.split,
-                "communalities": self.communalities}
-
-    def restore_state(self, state: dict[str, Any]) -> None:
-        super().restore_state(state)
-        self.split, self.communalities = state["split"], state["communalities"]
 
     def state_tables(self) -> dict[str, Any]:
         return {"fedfac": {"split": None if self.split is None else {

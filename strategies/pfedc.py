@@ -55,6 +55,8 @@ def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
 
 
 class PFedCStrategy(PersonalizedStrategy):
+    checkpointed = (*PersonalizedStrategy.checkpointed, "task_weights", "branches")
+
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
         super().__init__(settings, initial_arrays)
         self.phi_keys = [k for k in initial_arrays if branch_of_key(k) is None]
@@ -105,14 +107,6 @@ class PFedCStrategy(PersonalizedStrategy):
 
     def state_tables(self) -> dict[str, Any]:
         return {"pfedc": {"task_weights": self.task_weights}}
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), "task_weights": self.task_weights,
-                "branches": self.branches}
-
-    def restore_state(self, state: dict[str, Any]) -> None:
-        super().restore_state(state)
-        self.task_weights, self.branches = state["task_weights"], state["branches"]
 
 
 def branch_holding_keys(model: nn.Module, keys: list[str], data: ClientData,
