@@ -62,6 +62,10 @@ class LocalDeployment(LocalFederation):
     def namespace(self, site: int) -> str:
         return f"pfl{self._tag}s{site}"
 
+    def _host_link(self, site: int) -> str:
+        """The host end of the site's veth pair (deleting it deletes both ends)."""
+        return f"pfl{self._tag}h{site}"
+
     def site_address(self, site: int) -> str:
         """Where the site's SuperNode runs: its own address, or loopback."""
         return f"198.18.{self._block + site}.2" if self.namespaces else "127.0.0.1"
@@ -71,7 +75,7 @@ class LocalDeployment(LocalFederation):
 
     def _make_namespace(self, site: int) -> None:
         """A network namespace for the site, linked to the host by a veth pair."""
-        name, host_end, site_end = (self.namespace(site), f"pfl{self._tag}h{site}",
+        name, host_end, site_end = (self.namespace(site), self._host_link(site),
                                     f"pfl{self._tag}n{site}")
         _ip("netns", "add", name)
         _ip("link", "add", host_end, "type", "veth", "peer", "name", site_end)
@@ -84,7 +88,7 @@ class LocalDeployment(LocalFederation):
 
     def _remove_namespaces(self) -> None:
         for site in range(self.num_sites):
-            for args in (("link", "del", f"pfl{self._tag}h{site}"),
+            for args in (("link", "del", self._host_link(site)),
                          ("netns", "del", self.namespace(site))):
                 with contextlib.suppress(subprocess.CalledProcessError, OSError):
                     _ip(*args)
