@@ -46,12 +46,13 @@ def test_insecure_deployment_runs_a_personalized_method(tmp_path):
     """Each SuperNode in its own network namespace with its own address where the machine
     allows it (``ip netns``), else on loopback."""
     with LocalDeployment(3, home=tmp_path / "home", namespaces=NAMESPACES) as deployment:
-        if NAMESPACES:
-            site_namespaces = {_net_namespace(p.pid) for p in deployment.sites.values()}
-            assert len(site_namespaces) == 3 and _net_namespace("self") not in site_namespaces
         out = tmp_path / "out"
         run = deployment.run(ROOT, {**CONFIG, "output-dir": str(out)})
         _check(run, out, tmp_path, deployment)
+        if NAMESPACES:  # checked once the SuperNodes have served (``ip netns exec`` has
+            # switched namespace by then; right after spawning it may not have yet)
+            site_namespaces = {_net_namespace(p.pid) for p in deployment.sites.values()}
+            assert len(site_namespaces) == 3 and _net_namespace("self") not in site_namespaces
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
