@@ -1,4 +1,4 @@
-"""What one client is: identity, device, data, and its personal state (DESIGN 1 and 6)."""
+"""What one client is: identity, device, data, and its personal state (contracts §1 and §6)."""
 
 from __future__ import annotations
 

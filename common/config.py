@@ -1,4 +1,4 @@
-"""The run configuration (DESIGN section 2): typed, validated, one clear error per bad key.
+"""The run configuration (contracts §2): typed, validated, one clear error per bad key.
 
 Flower hands both apps the same flat ``context.run_config`` (``[tool.flwr.app.config]`` plus
 ``--run-config`` overrides). ``RunSettings.from_run_config`` turns it into typed fields for the

@@ -1,9 +1,38 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the app with its test tools. Sourced by the other scripts.
+# Create .venv inside this checkout (if missing) and install the app with its test tools.
+# Sourced by the other scripts. A .venv that is not a usable virtualenv of this checkout (a
+# symlink, a dangling or foreign environment) is refused with one line instead of being used.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
+venv_problem() {
+  if [ -L .venv ]; then
+    echo ".venv is a symlink (to $(readlink .venv)); the environment must live inside this checkout"
+  elif [ ! -d .venv ]; then
+    echo ".venv is not a directory"
+  elif [ ! -f .venv/pyvenv.cfg ] || [ ! -x .venv/bin/python ]; then
+    echo ".venv has no pyvenv.cfg or bin/python: not a virtualenv"
+  elif ! prefix=$(.venv/bin/python -c 'import sys; print(sys.prefix)' 2>/dev/null); then
+    echo ".venv/bin/python does not run (its base interpreter is gone?)"
+  elif [ "$(cd "$prefix" && pwd -P)" != "$(cd .venv && pwd -P)" ]; then
+    echo ".venv/bin/python belongs to another environment ($prefix)"
+  elif [ -f .venv/bin/pip ] && ! head -1 .venv/bin/pip | grep -qF "$(cd .venv && pwd -P)/bin/" \
+       && ! head -1 .venv/bin/pip | grep -qF "$PWD/.venv/bin/"; then
+    echo ".venv was copied or moved from elsewhere (its scripts run $(head -1 .venv/bin/pip | cut -c3-))"
+  elif ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo ".venv's Python is older than 3.11"
+  fi
+}
+if [ -e .venv ] || [ -L .venv ]; then
+  problem=$(venv_problem)
+  if [ -n "$problem" ]; then
+    echo "setup: $problem; remove it (rm -rf .venv) and run this again" >&2
+    return 1 2>/dev/null || exit 1
+  fi
+else
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "setup: $PYTHON is older than Python 3.11; set PYTHON=python3.11 (or newer)" >&2
+    return 1 2>/dev/null || exit 1; }
   "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -c "import flwr, torch, server_app" 2>/dev/null \

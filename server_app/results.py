@@ -1,4 +1,4 @@
-"""results.json (DESIGN section 4), the plot beside it, and the terminal progress lines."""
+"""results.json (contracts §4), the plot beside it, and the terminal progress lines."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The machinery every method's strategy shares (DESIGN sections 3-5).
+"""The machinery every method's strategy shares (contracts §3-§5).
 
 ``PersonalizedStrategy`` is Flower's ``FedAvg`` with:
 - one message per node, built by ``downlink`` (methods override it for per-client payloads),
@@ -483,7 +483,7 @@ def _claimed_client_id(reply: Message) -> str:
 
 
 def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, Any]:
-    """DESIGN section 3: weighted/mean/std/min accuracy over clients, plus the per-client map."""
+    """Contracts §3: weighted/mean/std/min accuracy over clients, plus the per-client map."""
     accuracy = np.array([a for a, _ in per_client.values()])
     examples = np.array([n for _, n in per_client.values()], dtype=float)
     return {

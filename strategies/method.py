@@ -1,4 +1,4 @@
-"""What a method is made of (DESIGN 7): the ``Method`` record and its default hooks.
+"""What a method is made of (contracts §7): the ``Method`` record and its default hooks.
 
 This module imports no method, so every method module can import it; the registry
 (``strategies/registry.py``) imports the methods.

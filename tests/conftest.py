@@ -41,7 +41,7 @@ def copy_app(dest: Path) -> Path:
 
 def check_results_schema(results: dict[str, Any], method: str, num_rounds: int,
                          num_clients: int) -> None:
-    """DESIGN section 4, field by field."""
+    """Contracts §4 (docs/contracts.md), field by field."""
     assert results["method"] == method
     assert results["config"]["method"] == method
     assert [r["round"] for r in results["rounds"]] == list(range(1, num_rounds + 1))

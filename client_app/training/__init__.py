@@ -30,7 +30,7 @@ class LocalTraining:
 
 
 def sgd(params: Iterable[nn.Parameter], settings: RunSettings) -> torch.optim.Optimizer:
-    """A fresh optimizer (no optimizer state survives a round: DESIGN 6)."""
+    """A fresh optimizer (no optimizer state survives a round: contracts §6)."""
     return torch.optim.SGD(list(params), lr=settings.lr, momentum=settings.momentum,
                            weight_decay=settings.weight_decay)
 
