@@ -27,16 +27,18 @@ from flwr.app import Context, RecordDict  # noqa: E402
 
 from bench.report import write_report  # noqa: E402
 from client_app.runtime import Client  # noqa: E402
-from client_app.training import LocalTraining, evaluate  # noqa: E402
+from common.config import app_defaults  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
 from strategies.registry import build_model  # noqa: E402
+from strategies.training import LocalTraining, evaluate  # noqa: E402
 
 
 def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
     """FedAvg in one process; returns seconds per round."""
     clients = [Client.from_context(Context(
         run_id=0, node_id=i, node_config={"partition-id": i, "num-partitions": num_clients},
-        state=RecordDict(), run_config=run_config)) for i in range(num_clients)]
+        state=RecordDict(), run_config={**app_defaults(), **run_config}))
+        for i in range(num_clients)]
     settings = clients[0].settings
     global_state = {k: v for k, v in build_model(settings).state_dict().items()
                     if not k.endswith("num_batches_tracked")}

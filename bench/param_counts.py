@@ -14,25 +14,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import tomllib  # noqa: E402
 
 from bench.report import write_report  # noqa: E402
-from common.config import RunSettings  # noqa: E402
-from strategies.registry import REGISTRY, build_model  # noqa: E402
+from common.config import app_defaults  # noqa: E402
+from strategies.registry import REGISTRY, build_model, load_settings  # noqa: E402
 
 SCENARIOS = {"digits / cnn": {"dataset": "digits", "model": "cnn"},
              "cifar10 / resnet18": {"dataset": "cifar10", "model": "resnet18"}}
 
 
 def main() -> None:
-    defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
-        "config"]
+    defaults = app_defaults()
     lines = ["| scenario | method | parameters | vs fedavg |", "|---|---|---|---|"]
     for label, scenario in SCENARIOS.items():
         counts = {}
         for method in REGISTRY:
-            model = build_model(RunSettings.from_run_config({**defaults, **scenario,
-                                                             "method": method}))
+            model = build_model(load_settings({**defaults, **scenario, "method": method}))
             counts[method] = sum(p.numel() for p in model.parameters())
         for method, count in counts.items():
             delta = (count - counts["fedavg"]) / counts["fedavg"]

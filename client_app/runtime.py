@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from logging import INFO, WARNING
 from pathlib import Path
@@ -17,9 +17,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.config import ConfigError, RunSettings
+from common.protocol import CLIENT_ID, NUM_PARTITIONS, PARTITION_ID, identity_record
 from fldata import ClientData, load_client_data
 from strategies.method import Method
-from strategies.registry import REGISTRY, build_model
+from strategies.registry import REGISTRY, load_settings
+from strategies.wire import WireSpec
 
 PERSONAL = "personal-state"
 
@@ -37,7 +39,7 @@ def select_device(setting: str) -> torch.device:
 @lru_cache(maxsize=4)
 def _client_data(run_config_json: str, partition_id: int, num_partitions: int,
                  data_dir: str | None) -> ClientData:
-    settings = RunSettings.from_run_config(json.loads(run_config_json))
+    settings = load_settings(json.loads(run_config_json))
     return load_client_data(settings, partition_id, num_partitions, data_dir)
 
 
@@ -51,18 +53,36 @@ class Client:
     client_id: str
     partition_id: int
     device: torch.device
+    _wire: WireSpec | None = field(default=None, repr=False)
 
     @classmethod
     def from_context(cls, context: Context) -> Client:
-        settings = RunSettings.from_run_config(context.run_config)
+        settings = load_settings(context.run_config)
         node = context.node_config
-        if "partition-id" not in node or "num-partitions" not in node:
+        if PARTITION_ID not in node or NUM_PARTITIONS not in node:
             raise ConfigError("node config: partition-id and num-partitions are required "
                               "(simulation sets them; on a SuperNode use --node-config)")
-        partition_id = int(node["partition-id"])
-        client_id = str(node.get("client-id", partition_id))
+        partition_id = int(node[PARTITION_ID])
+        client_id = str(node.get(CLIENT_ID, partition_id))
         return cls(context, settings, REGISTRY[settings.method], client_id, partition_id,
                    select_device(settings.device))
+
+    @property
+    def num_partitions(self) -> int:
+        return int(self.context.node_config[NUM_PARTITIONS])
+
+    @property
+    def wire(self) -> WireSpec:
+        """The method's wire spec, built from the first model this client builds."""
+        if self._wire is None:
+            self._wire = self.method.wire(self.method.build_model(self.settings),
+                                          self.settings)
+        return self._wire
+
+    def identity(self) -> ConfigRecord:
+        """The ``client`` record of every reply: who this is, plus the method's entries."""
+        return identity_record(self.client_id, self.partition_id, self.num_partitions,
+                               self.wire.client_info(self.data))
 
     # -------------------------------------------------------------------- data
     @property
@@ -70,7 +90,7 @@ class Client:
         node = self.context.node_config
         data_dir = str(node["data-dir"]) if node.get("data-dir") else None
         return _client_data(json.dumps(self.settings.raw, sort_keys=True), self.partition_id,
-                            int(node["num-partitions"]), data_dir)
+                            self.num_partitions, data_dir)
 
     def loader(self, train: bool, server_round: int = 0) -> DataLoader:
         data = self.data
@@ -136,10 +156,11 @@ class Client:
               message_config: ConfigRecord | None = None) -> nn.Module:
         """The run's model with this client's personal state (see ``personal_state``), then
         the received shared arrays on top."""
-        model = build_model(self.settings)
+        model = self.method.build_model(self.settings)
+        if self._wire is None:
+            self._wire = self.method.wire(model, self.settings)
         own = {**model.state_dict(), **self.personal_state(up_to_round, message_config)}
-        model.load_state_dict(self.method.merge_received(
-            model, own, received.to_torch_state_dict(), self.settings))
+        model.load_state_dict(self.wire.merge_downlink(own, received.to_torch_state_dict()))
         return model.to(self.device)
 
     def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord,
@@ -150,7 +171,7 @@ class Client:
         On disk: written atomically (a temporary file, then ``os.replace``); the state of the
         previous round moves to ``<client-id>.prev.pt`` first, so the last two rounds' states
         are there for a resume from the previous round's checkpoint."""
-        keep = set(self.method.always_personal(model, self.settings))
+        keep = set(self.wire.always_personal)
         personal = {k: v.detach().cpu() for k, v in model.state_dict().items()
                     if k in keep or not (k in received and k in sent)}
         self.context.state[PERSONAL] = ArrayRecord(personal)
@@ -166,11 +187,10 @@ class Client:
             os.replace(path, self.previous_state_file)
         os.replace(tmp.name, path)
 
-    def shared_arrays(self, model: nn.Module, received: ArrayRecord) -> ArrayRecord:
-        """The uplink: exactly the method's shared keys that this client sends."""
-        state = model.state_dict()
-        keys = self.method.uplink_keys(model, self.method.shared_keys(model, self.settings),
-                                       self.data, self.settings)
-        arrays = self.method.shape_uplink(model, {k: state[k].detach().cpu() for k in keys},
-                                          received.to_torch_state_dict(), self.settings)
-        return ArrayRecord(arrays)
+    def shared_arrays(self, model: nn.Module, received: ArrayRecord,
+                      identity: ConfigRecord | None = None) -> ArrayRecord:
+        """The uplink: what the method's wire spec says this client sends, given the reply's
+        ``client`` record (``identity``; default: this client's)."""
+        return ArrayRecord(self.wire.build_uplink(
+            model.state_dict(), received.to_torch_state_dict(),
+            self.identity() if identity is None else identity))

@@ -1,16 +1,27 @@
 """The run configuration (contracts §2): typed, validated, one clear error per bad key.
 
 Flower hands both apps the same flat ``context.run_config`` (``[tool.flwr.app.config]`` plus
-``--run-config`` overrides). ``RunSettings.from_run_config`` turns it into typed fields for the
-keys every method uses; method keys (``"fedprox.mu"``, ``"feddecomp.rank-conv"``...) stay in
-``raw`` and are read with ``setting()``.
+``--run-config`` overrides). Keys are declared once, in a ``KeyGroup`` dataclass: each field
+names its key, and its type and range come from the declaration; **defaults live only in
+``pyproject.toml``** (a key missing from the run config is an error, and a test checks that
+every declared key is in ``pyproject.toml`` and every key there is declared).
+
+``RunSettings`` holds the keys every method uses; a method declares its own keys in its own
+``KeyGroup`` (e.g. ``strategies/feddecomp/spec.py``), parsed into
+``RunSettings.method_settings``.
+Which methods, datasets and backbones exist is known only to the layers above; they check those
+names (``strategies/registry.py: load_settings``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar, Self
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "domain")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N"
@@ -21,6 +32,17 @@ class ConfigError(ValueError):
 
     The message is one line naming the key and what is allowed.
     """
+
+
+APP_ROOT = Path(__file__).resolve().parents[1]
+
+
+def app_defaults(root: Path = APP_ROOT) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of the app's ``pyproject.toml``: the run config Flower
+    builds when nothing is overridden (for tools and tests that run the code outside
+    Flower)."""
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    return dict(pyproject["tool"]["flwr"]["app"]["config"])
 
 
 def one_of(key: str, value: str, allowed: Iterable[str]) -> str:
@@ -44,12 +66,15 @@ def in_range(key: str, value: float, low: float | None = None, high: float | Non
     return value
 
 
-def _typed(raw: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
+def typed(raw: Mapping[str, Any], key: str, kind: type) -> Any:
+    """``raw[key]`` checked to be of ``kind`` (an int is accepted for a float, an integral
+    float for an int; a bool is never a number); missing keys and NaN/inf are errors."""
     if key not in raw:
-        if default is None:
-            raise ConfigError(f"{key}: missing from the run config")
-        return default
+        raise ConfigError(f"{key}: missing from the run config (its default is in "
+                          "pyproject.toml's [tool.flwr.app.config])")
     value = raw[key]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value} is not a finite number")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is int and isinstance(value, float) and value.is_integer():
@@ -59,97 +84,100 @@ def _typed(raw: Mapping[str, Any], key: str, kind: type, default: Any = None) ->
     return value
 
 
+def key(name: str, *, low: float | None = None, high: float | None = None,
+        low_open: bool = False, choices: Iterable[str] | None = None) -> Any:
+    """Declare a ``KeyGroup`` field: the run-config key it reads and its allowed values (the
+    field's annotation gives the type). No default: defaults live in ``pyproject.toml``."""
+    return field(metadata={"key": name, "low": low, "high": high, "low_open": low_open,
+                           "choices": tuple(choices) if choices is not None else None})
+
+
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
 @dataclass(frozen=True)
-class RunSettings:
-    """The validated run configuration shared by the ServerApp and the ClientApp."""
+class KeyGroup:
+    """A set of run-config keys parsed into typed fields (see ``key``)."""
 
-    method: str
-    dataset: str
-    partitioner: str
-    dirichlet_alpha: float
-    classes_per_client: int
-    domain_groups: int
-    permute_labels: bool
-    test_fraction: float
-    model: str
-    mlp_hidden: int
-    num_server_rounds: int
-    fraction_train: float
-    fraction_evaluate: float
-    min_nodes: int
-    local_epochs: int
-    batch_size: int
-    lr: float
-    momentum: float
-    weight_decay: float
-    seed: int
-    device: str
-    output_dir: str
-    round_timeout: float
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    prefix: ClassVar[str] = ""  # documentation only: the keys' common prefix
 
-    def setting(self, key: str, kind: type = float, default: Any = None) -> Any:
-        """A method key such as ``"fedprox.mu"``, type-checked (missing: ``default``, or an
-        error if there is none)."""
-        return _typed(self.raw, key, kind, default)
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata]
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Self:
+        values = {}
+        for spec in dataclasses.fields(cls):
+            meta = spec.metadata
+            if "key" not in meta:
+                continue
+            value = typed(raw, meta["key"], _KINDS[str(spec.type)])
+            if meta["choices"] is not None:
+                one_of(meta["key"], value, meta["choices"])
+            if meta["low"] is not None or meta["high"] is not None:
+                in_range(meta["key"], value, meta["low"], meta["high"],
+                         low_open=meta["low_open"])
+            values[spec.name] = value
+        return cls(**values)
+
+
+def at_most_local_epochs(name: str, epochs: int, local_epochs: int) -> None:
+    """A method's phase length (``fedrep.head-epochs``, ``feddecomp.lora-epochs``) fits in
+    ``local-epochs``."""
+    if not 0 <= epochs <= local_epochs:
+        raise ConfigError(f"{name}: {epochs} is out of range; allowed: "
+                          f"[0, local-epochs={local_epochs}]")
+
+
+@dataclass(frozen=True)
+class RunSettings(KeyGroup):
+    """The keys every method uses, shared by the ServerApp and the ClientApp;
+    ``method_settings`` holds the method's own ``KeyGroup`` (``None`` for a method without
+    keys)."""
+
+    method: str = key("method")
+    dataset: str = key("dataset")
+    data_root: str = key("data-root")
+    partitioner: str = key("partitioner", choices=PARTITIONERS)
+    dirichlet_alpha: float = key("dirichlet-alpha", low=0, low_open=True)
+    classes_per_client: int = key("classes-per-client", low=1)
+    domain_groups: int = key("domain-groups", low=1)
+    permute_labels: bool = key("permute-labels")
+    test_fraction: float = key("test-fraction", low=0, high=1, low_open=True)
+    num_classes: int = key("num-classes", low=0)
+    input_shape: str = key("input-shape")
+    model: str = key("model")
+    mlp_hidden: int = key("mlp-hidden", low=1)
+    num_server_rounds: int = key("num-server-rounds", low=1)
+    fraction_train: float = key("fraction-train", low=0, high=1, low_open=True)
+    fraction_evaluate: float = key("fraction-evaluate", low=0, high=1)
+    min_nodes: int = key("min-nodes", low=1)
+    local_epochs: int = key("local-epochs", low=0)
+    batch_size: int = key("batch-size", low=1)
+    lr: float = key("lr", low=0, low_open=True)
+    momentum: float = key("momentum", low=0, high=1)
+    weight_decay: float = key("weight-decay", low=0)
+    seed: int = key("seed")
+    device: str = key("device")
+    output_dir: str = key("output-dir")
+    round_timeout: float = key("round-timeout", low=0, low_open=True)
+    resume_from: str = key("resume-from")
+    plot: bool = key("plot")
+    method_settings: Any = field(default=None, compare=False)
+    raw: dict[str, Any] = field(repr=False, default_factory=dict, compare=False)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:
-        """Parse and validate; unknown method/dataset/backbone raise ConfigError."""
-        # Imported here: the registries import torch models and strategies, and this module
-        # must stay importable on its own (e.g. by the data layer).
-        from fldata import DATASETS, is_local_path
-        from models import BACKBONES
-        from strategies.registry import REGISTRY
-
+        """The general keys, parsed and checked; the method's own keys are not (see
+        ``strategies/registry.py: load_settings`` for the whole run config)."""
         raw = dict(run_config)
-
-        def get(key: str, kind: type, default: Any = None) -> Any:
-            return _typed(raw, key, kind, default)
-
-        method = one_of("method", get("method", str, "fedavg"), REGISTRY)
-        dataset = get("dataset", str, "digits")
-        if not is_local_path(dataset):
-            one_of("dataset", dataset, [*DATASETS, "<a local path>"])
-        model = get("model", str, "")
-        if model:
-            one_of("model", model, BACKBONES)
-        device = get("device", str, "auto")
+        settings = dataclasses.replace(cls.parse(raw), raw=raw)
+        device = settings.device
         if not (device in ("auto", "cpu", "cuda") or
                 (device.startswith("cuda:") and device[5:].isdigit())):
             raise ConfigError(f"device: unknown value {device!r}; allowed: {DEVICES_HELP}")
-        settings = cls(
-            method=method,
-            dataset=dataset,
-            partitioner=one_of("partitioner", get("partitioner", str, "dirichlet"), PARTITIONERS),
-            dirichlet_alpha=in_range("dirichlet-alpha", get("dirichlet-alpha", float, 0.5), 0,
-                                     low_open=True),
-            classes_per_client=int(in_range("classes-per-client",
-                                            get("classes-per-client", int, 2), 1)),
-            domain_groups=int(in_range("domain-groups", get("domain-groups", int, 2), 1)),
-            permute_labels=get("permute-labels", bool, False),
-            test_fraction=in_range("test-fraction", get("test-fraction", float, 0.2), 0, 1,
-                                   low_open=True),
-            model=model,
-            mlp_hidden=int(in_range("mlp-hidden", get("mlp-hidden", int, 200), 1)),
-            num_server_rounds=int(in_range("num-server-rounds",
-                                           get("num-server-rounds", int, 3), 1)),
-            fraction_train=in_range("fraction-train", get("fraction-train", float, 1.0), 0, 1,
-                                    low_open=True),
-            fraction_evaluate=in_range("fraction-evaluate",
-                                       get("fraction-evaluate", float, 1.0), 0, 1),
-            min_nodes=int(in_range("min-nodes", get("min-nodes", int, 2), 1)),
-            local_epochs=int(in_range("local-epochs", get("local-epochs", int, 1), 0)),
-            batch_size=int(in_range("batch-size", get("batch-size", int, 32), 1)),
-            lr=in_range("lr", get("lr", float, 0.05), 0, low_open=True),
-            momentum=in_range("momentum", get("momentum", float, 0.9), 0, 1),
-            weight_decay=in_range("weight-decay", get("weight-decay", float, 0.0), 0),
-            seed=get("seed", int, 42),
-            device=device,
-            output_dir=get("output-dir", str, ""),
-            round_timeout=in_range("round-timeout", get("round-timeout", float, 600.0), 0,
-                                   low_open=True),
-            raw=raw,
-        )
-        REGISTRY[method].validate(settings)
         return settings
+
+    def with_method(self, method_settings: KeyGroup | None) -> RunSettings:
+        return dataclasses.replace(self, method_settings=method_settings)

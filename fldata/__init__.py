@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import ConfigError, RunSettings
+from common.config import ConfigError, KeyGroup, RunSettings, key, one_of
 from fldata.partition import label_permutation, partition_indices, train_test_split
 from fldata.sources import SyntheticFedFac, arrays_from_hf, digits_pool, load_local
 
@@ -52,31 +52,46 @@ class ClientData:
     y_test: np.ndarray
     num_classes: int
 
-    @property
-    def classes_present(self) -> np.ndarray:
-        """Label presence vector over all classes (from the train split)."""
-        return np.bincount(self.y_train, minlength=self.num_classes) > 0
+
+@dataclass(frozen=True)
+class SyntheticSettings(KeyGroup):
+    """The ``synthetic.*`` keys of ``dataset = "synthetic-fedfac"``."""
+
+    num_samples: int = key("synthetic.num-samples", low=1)
+    dim: int = key("synthetic.dim", low=1)
+    hidden: int = key("synthetic.hidden", low=1)
+    shared_param_fraction: float = key("synthetic.shared-param-fraction", low=0, high=1)
+    shared_covariate_fraction: float = key("synthetic.shared-covariate-fraction", low=0, high=1)
+    noise: float = key("synthetic.noise", low=0)
+
+
+def check_dataset(settings: RunSettings) -> None:
+    """A known dataset or a local path; the synthetic keys when they are used."""
+    if not is_local_path(settings.dataset):
+        one_of("dataset", settings.dataset, [*DATASETS, "<a local path>"])
+    if settings.dataset == "synthetic-fedfac":
+        SyntheticSettings.parse(settings.raw)
 
 
 def synthetic_generator(settings: RunSettings) -> SyntheticFedFac:
+    synthetic = SyntheticSettings.parse(settings.raw)
     return SyntheticFedFac(
-        dim=settings.setting("synthetic.dim", int),
-        hidden=settings.setting("synthetic.hidden", int),
-        shared_param_fraction=settings.setting("synthetic.shared-param-fraction"),
-        shared_covariate_fraction=settings.setting("synthetic.shared-covariate-fraction"),
-        noise=settings.setting("synthetic.noise"),
+        dim=synthetic.dim,
+        hidden=synthetic.hidden,
+        shared_param_fraction=synthetic.shared_param_fraction,
+        shared_covariate_fraction=synthetic.shared_covariate_fraction,
+        noise=synthetic.noise,
     )
 
 
 def dataset_shape(settings: RunSettings) -> tuple[tuple[int, ...], int]:
     """(input shape, number of classes) of the run's dataset, without loading it."""
     if settings.dataset == "synthetic-fedfac":
-        return (settings.setting("synthetic.dim", int),), 2
+        return (SyntheticSettings.parse(settings.raw).dim,), 2
     if settings.dataset in DATASETS:
         info = DATASETS[settings.dataset]
         return info.input_shape, info.num_classes
-    num_classes = settings.setting("num-classes", int, 0)
-    shape = settings.setting("input-shape", str, "")
+    num_classes, shape = settings.num_classes, settings.input_shape
     if num_classes > 0 and shape:
         try:
             return tuple(int(s) for s in shape.split(",")), num_classes
@@ -137,7 +152,7 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
         x, y = load_local(Path(data_dir))
     elif settings.dataset == "synthetic-fedfac":
         x, y = synthetic_generator(settings).client(
-            settings.seed, partition_id, settings.setting("synthetic.num-samples", int))
+            settings.seed, partition_id, SyntheticSettings.parse(settings.raw).num_samples)
     elif settings.dataset in DATASETS and DATASETS[settings.dataset].hub_id:
         x, y = _hub_partition(settings, partition_id, num_partitions)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.config import ConfigError
+from common.config import ConfigError, one_of
 from models.backbones import Backbone, cnn, mlp, resnet8, resnet9, resnet18
 
 BACKBONES: dict[str, Callable[..., Backbone]] = {
@@ -14,6 +14,12 @@ BACKBONES: dict[str, Callable[..., Backbone]] = {
     "resnet9": resnet9,
     "resnet18": resnet18,
 }
+
+
+def check_backbone(name: str) -> None:
+    """An empty ``model`` means the dataset's default; anything else must be a backbone."""
+    if name:
+        one_of("model", name, BACKBONES)
 
 
 def build_backbone(name: str, input_shape: tuple[int, ...], num_classes: int,
@@ -26,4 +32,4 @@ def build_backbone(name: str, input_shape: tuple[int, ...], num_classes: int,
     return BACKBONES[name](input_shape, num_classes)
 
 
-__all__ = ["BACKBONES", "Backbone", "build_backbone"]
+__all__ = ["BACKBONES", "Backbone", "build_backbone", "check_backbone"]

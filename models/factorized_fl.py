@@ -15,7 +15,7 @@ directly (no decomposition of a trained model).
   ``1/sqrt(fan_in)`` spread.
 
 Which layers: every Linear and Conv2d under ``body``; the classifier ``head`` stays a plain
-Linear (personal: see ``strategies/factorized_fl.py``). Biases and BatchNorm are unchanged.
+Linear (personal: see ``strategies/factorized_fl/spec.py``). Biases and BatchNorm are unchanged.
 State-dict names: ``<layer>.u``, ``<layer>.v``, ``<layer>.mu``, ``<layer>.bias``.
 """
 
@@ -26,8 +26,6 @@ import math
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-
-from common.config import RunSettings
 
 
 class FactorizedLinear(nn.Module):
@@ -71,7 +69,7 @@ class FactorizedConv2d(nn.Module):
 FACTORIZED = (FactorizedLinear, FactorizedConv2d)
 
 
-def factorize(model: nn.Module, settings: RunSettings) -> nn.Module:
+def factorize(model: nn.Module) -> nn.Module:
     """Replace every Linear and Conv2d of ``model.body`` in place by its factorized twin."""
     for parent in list(model.body.modules()):
         for name, child in list(parent.named_children()):

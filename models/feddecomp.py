@@ -31,8 +31,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from common.config import RunSettings
-
 
 def _init_factors(module: nn.Module, rows: int, rank: int, cols: int) -> None:
     module.lora_B = nn.Parameter(torch.zeros(rows, rank))
@@ -78,10 +76,9 @@ class DecomposedConv2d(nn.Conv2d):
         return self._conv_forward(x, self.weight + self.tau(), self.bias)
 
 
-def decompose(model: nn.Module, settings: RunSettings) -> nn.Module:
-    """Replace every Linear and Conv2d of ``model`` in place by its decomposed twin."""
-    rank_linear = settings.setting("feddecomp.rank-linear")
-    rank_conv = settings.setting("feddecomp.rank-conv")
+def decompose(model: nn.Module, rank_conv: float, rank_linear: float) -> nn.Module:
+    """Replace every Linear and Conv2d of ``model`` in place by its decomposed twin, with
+    rank ratios ``rank_conv`` and ``rank_linear``."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

@@ -22,8 +22,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from common.config import RunSettings
-
 
 def task_groups(num_classes: int, tasks: int) -> list[list[int]]:
     """Classes of each task: one per class when ``tasks`` is 0, else consecutive groups."""
@@ -89,13 +87,13 @@ class BranchHead(nn.Module):
         return self.task_log_probs(z)[:, self.task_of_class, self.slot_of_class]
 
 
-def with_branches(model: nn.Module, settings: RunSettings) -> nn.Module:
-    """Replace ``model.head`` by a ``BranchHead`` over ``pfedc.tasks`` tasks.
+def with_branches(model: nn.Module, tasks: int) -> nn.Module:
+    """Replace ``model.head`` by a ``BranchHead`` over ``tasks`` tasks (``pfedc.tasks``).
 
     Each branch starts from the original head's rows for its classes (the "other" logit keeps
     its own fresh initialisation), so with one task the model is exactly the backbone."""
     old = model.head
-    groups = task_groups(old.out_features, settings.setting("pfedc.tasks", int))
+    groups = task_groups(old.out_features, tasks)
     head = BranchHead(model.feature_dim, groups)
     with torch.no_grad():
         for group, branch in zip(groups, head.branches, strict=True):

@@ -13,40 +13,44 @@ from flwr.serverapp import Grid, ServerApp
 from common.config import ConfigError, RunSettings
 from server_app.results import ResultsRecorder, output_dir
 from server_app.rounds import load_checkpoint, resume, run_rounds
-from strategies.registry import REGISTRY, build_model
+from strategies.registry import REGISTRY, load_settings
+from strategies.wire import WireSpec
 
 app = ServerApp()
 
 
 def initial_shared_arrays(settings: RunSettings) -> ArrayRecord:
     """The method's shared part of the seeded initial model (what round 1 sends)."""
-    model = build_model(settings)
+    return initial_state(settings)[0]
+
+
+def initial_state(settings: RunSettings) -> tuple[ArrayRecord, WireSpec]:
+    """(the shared part of the seeded initial model, the method's wire spec)."""
+    method = REGISTRY[settings.method]
+    model = method.build_model(settings)
+    wire = method.wire(model, settings)
     state = model.state_dict()
-    keys = REGISTRY[settings.method].shared_keys(model, settings)
-    return ArrayRecord({k: state[k] for k in keys})
+    return ArrayRecord({k: state[k] for k in wire.shared_keys}), wire
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
-        settings = RunSettings.from_run_config(context.run_config)
-        initial = initial_shared_arrays(settings)
+        settings = load_settings(context.run_config)
+        initial, wire = initial_state(settings)
     except ConfigError as error:
         log(ERROR, "Invalid run config: %s", error)
         # An Exception (not SystemExit) is what marks the run as failed in Flower.
         raise ConfigError(str(error)) from None
     random.seed(settings.seed)  # node sampling
-    method = REGISTRY[settings.method]
-    strategy = method.strategy(settings, initial)
-    recorder = ResultsRecorder(settings, strategy, output_dir(settings),
-                               plot=bool(context.run_config.get("plot", True)))
+    strategy = REGISTRY[settings.method].strategy(settings, initial, wire)
+    recorder = ResultsRecorder(settings, strategy, output_dir(settings))
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
         settings.dataset, settings.partitioner, recorder.out_dir)
     first_round, arrays = 1, initial
     run_ids = [str(context.run_id)]  # this run and the runs it continues
-    resume_from = str(context.run_config.get("resume-from", ""))
-    if resume_from:
-        checkpoint = load_checkpoint(resume_from)
+    if settings.resume_from:
+        checkpoint = load_checkpoint(settings.resume_from)
         first_round, arrays = resume(checkpoint, strategy, recorder)
         earlier = [str(r) for r in checkpoint.get("run_ids", [])]
         run_ids = [*earlier, *run_ids]
@@ -57,7 +61,4 @@ def main(grid: Grid, context: Context) -> None:
     strategy.identify(grid)
     arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
                         settings.num_server_rounds, run_ids)
-    extra = strategy.after_training(grid, arrays)
-    if extra:
-        recorder.extra.update(extra)
-    recorder.finish()
+    recorder.finish(strategy.after_training(grid, arrays))

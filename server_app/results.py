@@ -10,11 +10,11 @@ from logging import INFO
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
 
 from common.config import RunSettings
-from strategies.base import PersonalizedStrategy
+from common.record import RoundRecord
+from strategies.personalized import PersonalizedStrategy
 
 MB = 1024**2
 
@@ -33,18 +33,14 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 
 
 class ResultsRecorder:
-    """Turns the strategy's per-round history into results.json after every round.
-
-    Its ``on_round`` is the ``evaluate_fn`` of ``Strategy.start``, which Flower calls after
-    each round's evaluation (and once with round 0 before the first round).
-    """
+    """Writes results.json after every round: each round's ``RoundRecord`` entry
+    (``common/record.py``), the run's totals and the strategy's per-client tables."""
 
     def __init__(self, settings: RunSettings, strategy: PersonalizedStrategy,
-                 out_dir: Path, plot: bool = True) -> None:
+                 out_dir: Path) -> None:
         self.settings = settings
         self.strategy = strategy
         self.out_dir = out_dir
-        self.plot = plot
         self.rounds: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}  # after-training results (e.g. FedFac's new clients)
         self._t_start = self._t_round = time.monotonic()
@@ -54,33 +50,20 @@ class ResultsRecorder:
     def path(self) -> Path:
         return self.out_dir / "results.json"
 
-    def on_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    def start(self) -> None:
+        """Start the round clock; write results.json (the rounds restored on resume)."""
+        self._t_start = self._t_round = time.monotonic()
+        self.write()
+
+    def on_round(self, server_round: int) -> None:
+        """A round is done: add its entry, rewrite results.json, print the progress line."""
         now = time.monotonic()
-        if server_round == 0:
-            self._t_start = self._t_round = now
-            self.write()
-            return None
-        record = self.strategy.history.get(server_round)
-        entry: dict[str, Any] = {"round": server_round, "seconds": now - self._t_round}
+        record = self.strategy.history.get(server_round, RoundRecord())
+        entry = record.entry(server_round, now - self._t_round)
         self._t_round = now
-        if record is not None:
-            entry.update(bytes_up=record.bytes_up,
-                         bytes_down=record.bytes_down_train + record.bytes_down_evaluate,
-                         bytes_down_train=record.bytes_down_train,
-                         bytes_down_evaluate=record.bytes_down_evaluate)
-            if record.train is not None:
-                entry["train"] = record.train
-            if record.eval is not None:
-                entry["eval"] = record.eval
-            if record.dropped:
-                entry["dropped"] = record.dropped
-            if record.cpu_seconds:
-                entry["cpu_seconds"] = record.cpu_seconds
-            entry.update(record.extra)
         self.rounds.append(entry)
         self.write()
         self._progress(entry)
-        return None
 
     def _progress(self, entry: dict[str, Any]) -> None:
         acc = entry.get("eval", {})
@@ -106,16 +89,18 @@ class ResultsRecorder:
         return {"method": self.settings.method, "config": dict(self.settings.raw),
                 "rounds": self.rounds, "final": self.final(), **self.extra,
                 "server_state": {"node_to_client": {str(k): v for k, v in
-                                                    self.strategy.node_to_client.items()},
+                                                    self.strategy.nodes.node_to_client.items()},
                                  **self.strategy.state_tables()}}
 
     def write(self) -> None:
         write_json_atomic(self.path, self.payload())
 
-    def finish(self) -> None:
-        """Final write, plot, and the per-client table in the terminal."""
+    def finish(self, extra: dict[str, Any] | None = None) -> None:
+        """Final write (with ``extra``: the strategy's after-training results), plot, and the
+        per-client table in the terminal."""
+        self.extra.update(extra or {})
         self.write()
-        if self.plot and self.rounds:
+        if self.settings.plot and self.rounds:
             plot_results(self.payload(), self.out_dir / "results.png")
         final = self.final()
         log(INFO, "[final] %s: accuracy weighted %s mean %s std %s min %s | "

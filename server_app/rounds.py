@@ -1,9 +1,8 @@
 """The round loop, with a checkpoint after every round and resume from one.
 
 Flower's ``Strategy.start`` always begins at round 1; resuming needs the true round numbers
-(clients seed their training with them), so the ServerApp runs the same loop itself:
-configure_train -> send_and_receive -> aggregate_train -> configure_evaluate ->
-send_and_receive -> aggregate_evaluate, then results.json and the checkpoint.
+(clients seed their training with them), so the ServerApp runs the loop itself: the
+strategy's ``train_round`` then ``evaluate_round``, then results.json and the checkpoint.
 
 The checkpoint (``<output-dir>/checkpoint.pkl``, written atomically) holds the round number,
 the ids of the runs it continues (its lineage: a resumed run's clients accept personal state
@@ -21,12 +20,12 @@ from logging import INFO
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from server_app.results import ResultsRecorder
-from strategies.base import PersonalizedStrategy
+from strategies.personalized import PersonalizedStrategy
 
 CHECKPOINT = "checkpoint.pkl"
 
@@ -66,21 +65,14 @@ def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
 def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsRecorder,
                arrays: ArrayRecord, first_round: int, last_round: int,
                run_ids: list[str]) -> ArrayRecord:
-    timeout = strategy.settings.round_timeout
-    recorder.on_round(0, arrays)  # starts the round clock, writes results.json
+    recorder.start()  # starts the round clock, writes results.json
     for server_round in range(first_round, last_round + 1):
         log(INFO, "[round %d/%d]", server_round, last_round)
-        replies = grid.send_and_receive(
-            strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
-            timeout=timeout)
-        updated, _ = strategy.aggregate_train(server_round, replies)
+        updated = strategy.train_round(grid, server_round, arrays)
         if updated is not None:
             arrays = updated
-        replies = grid.send_and_receive(
-            strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
-            timeout=timeout)
-        strategy.aggregate_evaluate(server_round, replies)
-        recorder.on_round(server_round, arrays)
+        strategy.evaluate_round(grid, server_round, arrays)
+        recorder.on_round(server_round)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
                         recorder, run_ids)
     return arrays

@@ -1,29 +1,24 @@
 """The baselines on the common machinery: FedAvg, FedProx, Local, FedPer, FedRep, FedBN.
 
-They differ only in which state-dict keys are shared and in their local training rule; the
-server side of all six is the plain ``PersonalizedStrategy`` (weighted mean of what is sent).
+They differ only in which state-dict keys travel (their wire spec) and in their local training
+rule; the server side of all six is the plain ``PersonalizedStrategy`` (example-weighted mean
+of what is sent). Each is a few lines, so the six live together in this one file.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
-from client_app.training.baselines import train_everything, train_fedprox, train_fedrep
-from common.config import ConfigError, RunSettings, in_range
-from strategies.base import PersonalizedStrategy
+from common.config import KeyGroup, RunSettings, at_most_local_epochs, key
 from strategies.method import Method
+from strategies.training import LocalTraining, train_epochs
+from strategies.wire import WireSpec, state_keys
 
 
-def state_keys(model: nn.Module) -> list[str]:
-    """Every state-dict entry except BatchNorm's batch counters (an int, meaningless to
-    average)."""
-    return [k for k in model.state_dict() if not k.endswith("num_batches_tracked")]
-
-
-def all_keys(model: nn.Module, settings: RunSettings) -> list[str]:
-    return state_keys(model)
-
-
+# ---------------------------------------------------------------------- wire specs
 def no_keys(model: nn.Module, settings: RunSettings) -> list[str]:
     return []
 
@@ -34,28 +29,74 @@ def body_keys(model: nn.Module, settings: RunSettings) -> list[str]:
 
 
 def non_batchnorm_keys(model: nn.Module, settings: RunSettings) -> list[str]:
-    """FedBN (Li et al. 2021): BatchNorm affine parameters and running statistics stay local."""
+    """FedBN (Li et al. 2021): BatchNorm affine parameters and running statistics stay
+    local."""
     bn = tuple(f"{name}." for name, m in model.named_modules()
                if isinstance(m, nn.modules.batchnorm._BatchNorm))
     return [k for k in state_keys(model) if not k.startswith(bn)]
 
 
-def _check_fedprox(settings: RunSettings) -> None:
-    in_range("fedprox.mu", settings.setting("fedprox.mu"), 0)
+class NothingShared(WireSpec):
+    """Local: nothing travels (zero bytes)."""
+
+    def select_shared(self, model: nn.Module) -> list[str]:
+        return no_keys(model, self.settings)
 
 
-def _check_fedrep(settings: RunSettings) -> None:
-    head_epochs = settings.setting("fedrep.head-epochs", int)
-    if not 0 <= head_epochs <= settings.local_epochs:
-        raise ConfigError(f"fedrep.head-epochs: {head_epochs} is out of range; allowed: "
-                          f"[0, local-epochs={settings.local_epochs}]")
+class BodyShared(WireSpec):
+    def select_shared(self, model: nn.Module) -> list[str]:
+        return body_keys(model, self.settings)
 
 
-METHODS = [
-    Method("fedavg", PersonalizedStrategy, train_everything, all_keys),
-    Method("fedprox", PersonalizedStrategy, train_fedprox, all_keys, validate=_check_fedprox),
-    Method("local", PersonalizedStrategy, train_everything, no_keys),
-    Method("fedper", PersonalizedStrategy, train_everything, body_keys),
-    Method("fedrep", PersonalizedStrategy, train_fedrep, body_keys, validate=_check_fedrep),
-    Method("fedbn", PersonalizedStrategy, train_everything, non_batchnorm_keys),
-]
+class NonBatchNormShared(WireSpec):
+    def select_shared(self, model: nn.Module) -> list[str]:
+        return non_batchnorm_keys(model, self.settings)
+
+
+# ---------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class FedProxSettings(KeyGroup):
+    mu: float = key("fedprox.mu", low=0)
+
+
+@dataclass(frozen=True)
+class FedRepSettings(KeyGroup):
+    head_epochs: int = key("fedrep.head-epochs")
+
+
+def check_fedrep(settings: RunSettings, model: nn.Module) -> None:
+    at_most_local_epochs("fedrep.head-epochs", settings.method_settings.head_epochs,
+                         settings.local_epochs)
+
+
+# ---------------------------------------------------------------------- client rules
+def train_fedprox(job: LocalTraining) -> float:
+    """FedProx (Li et al. 2020): loss + mu/2 ||w - w_global||^2 over the received weights."""
+    mu = job.settings.method_settings.mu
+    anchor = [p.detach().clone() for p in job.model.parameters()]
+
+    def proximal(model: torch.nn.Module) -> torch.Tensor:
+        return mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor,
+                                                                   strict=True))
+
+    return train_epochs(job, job.model.parameters(), job.settings.local_epochs, proximal)
+
+
+def train_fedrep(job: LocalTraining) -> float:
+    """FedRep (Collins et al. 2021): ``fedrep.head-epochs`` on the head, then the remaining
+    ``local-epochs`` on the body."""
+    head_epochs = job.settings.method_settings.head_epochs
+    head = list(job.model.head.parameters())
+    body = list(job.model.body.parameters())
+    head_loss = train_epochs(job, head, head_epochs)
+    body_epochs = job.settings.local_epochs - head_epochs
+    return train_epochs(job, body, body_epochs) if body_epochs > 0 else head_loss
+
+
+FEDAVG = Method("fedavg")
+FEDPROX = Method("fedprox", local_train=train_fedprox, settings=FedProxSettings)
+LOCAL = Method("local", wire=NothingShared)
+FEDPER = Method("fedper", wire=BodyShared)
+FEDREP = Method("fedrep", wire=BodyShared, local_train=train_fedrep, settings=FedRepSettings,
+                check=check_fedrep)
+FEDBN = Method("fedbn", wire=NonBatchNormShared)

@@ -1,81 +1,87 @@
-"""What a method is made of (contracts §7): the ``Method`` record and its default hooks.
+"""What a method is made of (contracts §7): the ``Method`` record.
 
-This module imports no method, so every method module can import it; the registry
-(``strategies/registry.py``) imports the methods.
+A method's home is ``strategies/<method>/`` (or ``strategies/baselines.py`` for the six
+baselines) plus its model transform in ``models/<method>.py``:
+
+- ``spec.py``: its settings (a ``KeyGroup`` of its run-config keys) and its wire spec (a
+  ``WireSpec``: what goes down and up, used by both sides);
+- ``server.py``: its strategy (a ``PersonalizedStrategy`` overriding the hooks listed there);
+- ``client.py``: its local training rule (``LocalTraining -> float``) and the answers to its
+  own server queries (``actions``);
+- ``__init__.py``: the ``Method`` record below, which ``strategies/registry.py`` lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from flwr.app import RecordDict
+from flwr.app import ArrayRecord
 from torch import nn
+from torch.utils.data import DataLoader
 
-from client_app.training import LocalTraining
-from common.config import RunSettings
-from fldata import ClientData
-from strategies.base import PersonalizedStrategy
+from common.config import KeyGroup, RunSettings
+from fldata import ClientData, dataset_shape, default_model
+from models import build_backbone
+from strategies.personalized import PersonalizedStrategy
+from strategies.training import LocalTraining, train_everything
+from strategies.wire import WireSpec
 
 
 def keep_model(model: nn.Module, settings: RunSettings) -> nn.Module:
     return model
 
 
-def no_checks(settings: RunSettings) -> None:
+def no_checks(settings: RunSettings, model: nn.Module) -> None:
     return None
 
 
-def same_keys(model: nn.Module, keys: list[str], data: ClientData,
-              settings: RunSettings) -> list[str]:
-    return keys
+class ClientSide(Protocol):
+    """What a method's query handler (``Method.actions``) may use of the client it runs on
+    (``client_app/runtime.py: Client``)."""
 
+    settings: RunSettings
+    wire: WireSpec
+    device: torch.device
 
-def nothing_to_report(data: ClientData, settings: RunSettings) -> dict[str, Any]:
-    return {}
+    @property
+    def data(self) -> ClientData: ...
 
+    def model(self, received: ArrayRecord) -> nn.Module: ...
 
-def overlay(model: nn.Module, own: dict[str, torch.Tensor], incoming: dict[str, torch.Tensor],
-            settings: RunSettings) -> dict[str, torch.Tensor]:
-    """The received arrays replace the client's own entries (same keys, same shapes)."""
-    for key, value in incoming.items():
-        if key not in own or own[key].shape != value.shape:
-            raise ValueError(f"received array {key!r} does not fit the model")
-    return {**own, **incoming}
-
-
-def as_is(model: nn.Module, arrays: dict[str, torch.Tensor], received: dict[str, torch.Tensor],
-          settings: RunSettings) -> dict[str, torch.Tensor]:
-    return arrays
-
-
-def nothing_more(model: nn.Module, settings: RunSettings) -> list[str]:
-    return []
+    def loader(self, train: bool, server_round: int = 0) -> DataLoader: ...
 
 
 @dataclass(frozen=True)
 class Method:
-    """A method's pieces. ``shared_keys`` names the keys the server sends (its initial
-    arrays); ``uplink_keys`` turns them into what one client sends back, given its data (pFedC:
-    only the branches of the classes it holds; Factorized-FL: plus its matching vector);
-    ``client_info`` adds values to the reply's ``client`` ConfigRecord (visible to the
-    server, so document them). For methods that share parts of tensors (FedFac):
-    ``merge_received`` puts the received arrays into the client's own state,
-    ``shape_uplink`` cuts the uplink arrays, and ``always_personal`` names tensors the client
-    keeps even when they also travel. ``actions`` answers the server's ``query`` messages
-    (``action`` name -> ``handler(client, message) -> RecordDict``)."""
+    """A method's pieces.
+
+    ``settings``: its run-config keys (parsed into ``RunSettings.method_settings``);
+    ``wire``: its wire spec class; ``strategy``: its server rule; ``local_train``: its client
+    rule; ``transform``: its model transform (applied to the seeded backbone); ``check``: rules
+    across keys (e.g. a phase that must fit in ``local-epochs``), given the model built on the
+    ``meta`` device (no memory, no data); ``actions``: answers to the
+    server's ``query`` messages (``action`` name -> ``handler(client, message) ->
+    RecordDict``)."""
 
     name: str
-    strategy: type[PersonalizedStrategy]
-    local_train: Callable[[LocalTraining], float]
-    shared_keys: Callable[[nn.Module, RunSettings], list[str]]
+    wire: type[WireSpec] = WireSpec
+    strategy: type[PersonalizedStrategy] = PersonalizedStrategy
+    local_train: Callable[[LocalTraining], float] = train_everything
+    settings: type[KeyGroup] | None = None
     transform: Callable[[nn.Module, RunSettings], nn.Module] = keep_model
-    validate: Callable[[RunSettings], None] = no_checks
-    uplink_keys: Callable[[nn.Module, list[str], ClientData, RunSettings], list[str]] = same_keys
-    client_info: Callable[[ClientData, RunSettings], dict[str, Any]] = nothing_to_report
-    merge_received: Callable[..., dict[str, torch.Tensor]] = overlay
-    shape_uplink: Callable[..., dict[str, torch.Tensor]] = as_is
-    always_personal: Callable[[nn.Module, RunSettings], list[str]] = nothing_more
-    actions: dict[str, Callable[..., RecordDict]] = field(default_factory=dict)
+    check: Callable[[RunSettings, nn.Module], None] = no_checks
+    actions: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def build_model(self, settings: RunSettings) -> nn.Module:
+        """The run's model, identical on the server and on every client (seeded init)."""
+        input_shape, num_classes = dataset_shape(settings)
+        torch.manual_seed(settings.seed)
+        backbone = build_backbone(default_model(settings), input_shape, num_classes,
+                                  settings.mlp_hidden)
+        return self.transform(backbone, settings)
+
+    def build_wire(self, settings: RunSettings) -> WireSpec:
+        return self.wire(self.build_model(settings), settings)

@@ -1,36 +1,59 @@
-"""The method registry: ``method`` name -> its ``Method`` (see ``strategies/method.py``).
+"""The method registry: ``method`` name -> its ``Method`` (``strategies/method.py``), and the
+one reading of a whole run config.
 
-A method is its model transform (``models/``), the rule naming its shared parameters, its
-local training step (``client_app/training/``) and its strategy (``strategies/``). Adding a
-method means writing those and adding it to ``_methods()`` below: one line.
+Adding a method: write its home (``strategies/<method>/`` and ``models/<method>.py``, see
+``strategies/method.py``), then add its record to ``METHODS`` below: one line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 
-from common.config import RunSettings
+from common.config import RunSettings, one_of
+from fldata import check_dataset
+from models import check_backbone
+from strategies import baselines, factorized_fl, feddecomp, fedfac, pfedc
 from strategies.method import Method
+from strategies.wire import WireSpec
+
+METHODS: list[Method] = [
+    baselines.FEDAVG, baselines.FEDPROX, baselines.LOCAL, baselines.FEDPER, baselines.FEDREP,
+    baselines.FEDBN,
+    feddecomp.METHOD,
+    pfedc.METHOD,
+    factorized_fl.METHOD,
+    fedfac.METHOD,
+]
+
+REGISTRY: dict[str, Method] = {m.name: m for m in METHODS}
+
+
+def load_settings(run_config: Mapping[str, Any]) -> RunSettings:
+    """Parse and check the whole run config: the general keys, the method's own keys, the
+    names of method, dataset and backbone, and the method's rules across keys (on a model
+    built on the ``meta`` device). Raises a one-line ``ConfigError``."""
+    raw = dict(run_config)
+    if "method" in raw and isinstance(raw["method"], str):
+        one_of("method", raw["method"], REGISTRY)
+    settings = RunSettings.from_run_config(raw)
+    method = REGISTRY[one_of("method", settings.method, REGISTRY)]
+    check_dataset(settings)
+    check_backbone(settings.model)
+    settings = settings.with_method(method.settings.parse(raw) if method.settings else None)
+    with torch.device("meta"):
+        method.check(settings, method.build_model(settings))
+    return settings
 
 
 def build_model(settings: RunSettings) -> nn.Module:
     """The run's model, identical on the server and on every client (seeded init)."""
-    from fldata import dataset_shape, default_model
-    from models import build_backbone
-
-    input_shape, num_classes = dataset_shape(settings)
-    torch.manual_seed(settings.seed)
-    backbone = build_backbone(default_model(settings), input_shape, num_classes,
-                              settings.mlp_hidden)
-    return REGISTRY[settings.method].transform(backbone, settings)
+    return REGISTRY[settings.method].build_model(settings)
 
 
-def _methods() -> list[Method]:
-    from strategies import baselines, factorized_fl, feddecomp, fedfac, pfedc
-
-    return [*baselines.METHODS, feddecomp.METHOD, pfedc.METHOD, factorized_fl.METHOD,
-            fedfac.METHOD]
-
-
-REGISTRY: dict[str, Method] = {m.name: m for m in _methods()}
+def build_wire(settings: RunSettings) -> WireSpec:
+    """The run's wire spec (see ``strategies/wire.py``)."""
+    return REGISTRY[settings.method].build_wire(settings)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from common.config import app_defaults
 from common.local_federation import LocalFederation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +18,7 @@ APP_PACKAGES = ["server_app", "client_app", "strategies", "models", "fldata", "c
 
 def app_config(**overrides: Any) -> dict[str, Any]:
     """The app's run config as Flower builds it: pyproject defaults plus overrides."""
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return {**pyproject["tool"]["flwr"]["app"]["config"], **overrides}
+    return {**app_defaults(ROOT), **overrides}
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, RunSettings
+from common.config import ConfigError
+from strategies.registry import load_settings
 from tests.conftest import app_config
 
 
@@ -14,7 +15,7 @@ def defaults() -> dict:
 
 def test_pyproject_defaults_are_valid_and_hold_every_design_key():
     config = defaults()
-    RunSettings.from_run_config(config)
+    load_settings(config)
     design_keys = {"method", "dataset", "partitioner", "dirichlet-alpha", "classes-per-client",
                    "permute-labels", "test-fraction", "model", "num-server-rounds",
                    "fraction-train", "fraction-evaluate", "local-epochs", "batch-size", "lr",
@@ -42,6 +43,6 @@ def test_bad_values_raise_one_line(key, value, message):
     if key == "fedrep.head-epochs":
         config["method"] = "fedrep"
     with pytest.raises(ConfigError) as error:
-        RunSettings.from_run_config(config)
+        load_settings(config)
     assert message in str(error.value)
     assert "\n" not in str(error.value)

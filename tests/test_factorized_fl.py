@@ -12,12 +12,11 @@ from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 
 from client_app.runtime import Client
-from client_app.training import LocalTraining
-from common.config import RunSettings
 from models.factorized_fl import FactorizedConv2d, FactorizedLinear, l1_of_mu, matching_key
 from server_app.app import initial_shared_arrays
-from strategies.factorized_fl import matching_weights
-from strategies.registry import build_model
+from strategies.factorized_fl.server import matching_weights
+from strategies.registry import build_model, load_settings
+from strategies.training import LocalTraining
 from tests.conftest import app_config, read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +58,7 @@ def _client(pid: int = 0, **overrides) -> Client:
 def test_l1_term_changes_the_gradient_of_mu():
     grads = []
     for l1 in (0.0, 0.1):
-        settings = RunSettings.from_run_config(app_config(**{"method": "factorized-fl",
+        settings = load_settings(app_config(**{"method": "factorized-fl",
                                                              "factorized-fl.l1": l1}))
         model = build_model(settings)
         with torch.no_grad():
@@ -133,7 +132,7 @@ def test_real_rounds_uplink_bytes_and_personal_u(federation, tmp_path):
     assert run.ok, run.output[-3000:]
     rounds = read_results(tmp_path / "ffl")["rounds"]
     assert all("dropped" not in r for r in rounds)  # uplink keys == the documented ones
-    settings = RunSettings.from_run_config(app_config(**{"method": "factorized-fl"}))
+    settings = load_settings(app_config(**{"method": "factorized-fl"}))
     model = build_model(settings)
     client = _client()
     sent = client.shared_arrays(client.model(initial_shared_arrays(settings)), ArrayRecord())

@@ -9,10 +9,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from client_app.runtime import Client
-from client_app.training import LocalTraining
-from common.config import ConfigError, RunSettings
+from common.config import ConfigError
 from models.feddecomp import DecomposedConv2d, DecomposedLinear, is_personal_key
 from server_app.app import initial_shared_arrays
+from strategies.registry import load_settings
+from strategies.training import LocalTraining
 from tests.conftest import app_config, read_results
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -117,10 +118,10 @@ def test_lora_epochs_zero_reproduces_fedavg(tmp_path):
 
 def test_config_checks():
     with pytest.raises(ConfigError, match=r"feddecomp\.lora-epochs"):
-        RunSettings.from_run_config(app_config(**{"method": "feddecomp", "local-epochs": 2,
+        load_settings(app_config(**{"method": "feddecomp", "local-epochs": 2,
                                                   "feddecomp.lora-epochs": 3}))
     with pytest.raises(ConfigError, match=r"feddecomp\.rank-conv"):
-        RunSettings.from_run_config(app_config(**{"method": "feddecomp",
+        load_settings(app_config(**{"method": "feddecomp",
                                                   "feddecomp.rank-conv": 0.0}))
 
 

@@ -10,19 +10,20 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
 from client_app.runtime import Client
-from client_app.training import LocalTraining
-from common.config import ConfigError, RunSettings
+from common.config import ConfigError
+from common.protocol import ClientReply
 from models.fedfac import analysed_layers, element_keys
 from server_app.app import initial_shared_arrays
-from strategies.base import ClientReply, PersonalizedStrategy
-from strategies.fedfac import (
-    MASK_PREFIX,
+from strategies.fedfac.server import (
     FedFacStrategy,
     factor_count,
     principal_axis_loadings,
     shared_elements,
 )
-from strategies.registry import build_model
+from strategies.fedfac.spec import MASK_PREFIX
+from strategies.personalized import PersonalizedStrategy
+from strategies.registry import build_model, build_wire, load_settings
+from strategies.training import LocalTraining
 from tests.conftest import app_config, read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,14 +94,14 @@ def test_quantile_above_one_is_personal_below_zero_is_shared():
 
 
 def test_layer_selection_and_element_keys():
-    model = build_model(RunSettings.from_run_config(app_config(method="fedfac")))
+    model = build_model(load_settings(app_config(method="fedfac")))
     assert analysed_layers(model, "0") == ["body.0"]
     assert analysed_layers(model, "body.4, -1") == ["body.4", "head"]
     assert element_keys(model, "body.0") == ["body.0.weight", "body.1.weight", "body.1.bias",
                                              "body.1.running_mean", "body.1.running_var"]
     assert element_keys(model, "body.9") == ["body.9.weight", "body.9.bias"]
     with pytest.raises(ConfigError, match=r"fedfac\.layers"):
-        RunSettings.from_run_config(app_config(**{"method": "fedfac", "fedfac.layers": "9"}))
+        load_settings(app_config(**{"method": "fedfac", "fedfac.layers": "9"}))
 
 
 def _client(pid: int, **overrides) -> Client:
@@ -126,8 +127,9 @@ def test_all_shared_layer_equals_fedavg():
     settings = clients[0].settings
     initial = initial_shared_arrays(settings)
     replies = [_reply(c, initial) for c in clients]
-    fedfac = FedFacStrategy(settings, initial).aggregate_shared(1, replies, initial)
-    fedavg = PersonalizedStrategy(settings, initial).aggregate_shared(1, replies, initial)
+    wire = build_wire(settings)
+    fedfac = FedFacStrategy(settings, initial, wire).aggregate_shared(1, replies, initial)
+    fedavg = PersonalizedStrategy(settings, initial, wire).aggregate_shared(1, replies, initial)
     assert set(fedfac) == set(fedavg)
     for key in fedavg:
         np.testing.assert_allclose(fedfac[key].numpy(), fedavg[key].numpy(), rtol=1e-5,
@@ -137,7 +139,7 @@ def test_all_shared_layer_equals_fedavg():
 def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server():
     client = _client(0)
     initial = initial_shared_arrays(client.settings)
-    strategy = FedFacStrategy(client.settings, initial)
+    strategy = FedFacStrategy(client.settings, initial, client.wire)
     model = client.model(initial)
     with torch.no_grad():
         model.body[0].weight.add_(1.0)  # this client's own conv kernels
@@ -158,7 +160,7 @@ def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server()
 def test_whole_layer_personal_sends_no_rows():
     client = _client(0, **{"fedfac.tau-quantile": 2.0})
     initial = initial_shared_arrays(client.settings)
-    strategy = FedFacStrategy(client.settings, initial)
+    strategy = FedFacStrategy(client.settings, initial, client.wire)
     strategy.aggregate_shared(1, [_reply(client, initial), _reply(_client(1), initial)],
                               initial)
     assert not strategy.split["body.0"].any()

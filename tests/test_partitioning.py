@@ -9,10 +9,12 @@ from common.config import ConfigError, RunSettings
 from fldata import load_client_data
 from fldata.partition import label_permutation, partition_indices, train_test_split
 from fldata.sources import digits_pool
+from strategies.registry import load_settings
+from tests.conftest import app_config
 
 
 def settings(**overrides) -> RunSettings:
-    return RunSettings.from_run_config({"dataset": "digits", **overrides})
+    return load_settings({**app_config(), "dataset": "digits", **overrides})
 
 
 def all_partitions(s: RunSettings, n: int) -> list[np.ndarray]:

@@ -11,12 +11,12 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, RecordDict
 
 from client_app.runtime import Client
-from client_app.training import LocalTraining
-from client_app.training.pfedc import mgda_ub_weights, min_norm_weights
-from common.config import RunSettings
 from models.pfedc import BranchHead, task_groups
 from server_app.app import initial_shared_arrays
-from strategies.pfedc import PFedCStrategy, masked_branch_average
+from strategies.pfedc.client import mgda_ub_weights, min_norm_weights
+from strategies.pfedc.server import PFedCStrategy, masked_branch_average
+from strategies.registry import build_wire, load_settings
+from strategies.training import LocalTraining
 from tests.conftest import app_config, read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +75,8 @@ def test_masked_aggregation_equals_eq7_on_hand_made_inputs():
 
 
 def _strategy(**overrides) -> PFedCStrategy:
-    settings = RunSettings.from_run_config(app_config(method="pfedc", **overrides))
-    return PFedCStrategy(settings, initial_shared_arrays(settings))
+    settings = load_settings(app_config(method="pfedc", **overrides))
+    return PFedCStrategy(settings, initial_shared_arrays(settings), build_wire(settings))
 
 
 def test_downlink_carries_only_held_branches_and_their_holders_average():

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 from flwr.app import ArrayRecord
 
-from common.config import RunSettings
-from strategies.registry import build_model
-from tests.conftest import check_results_schema, copy_app, read_results
+from strategies.registry import build_model, load_settings
+from tests.conftest import app_config, check_results_schema, copy_app, read_results
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +46,7 @@ def test_shared_bytes_match_the_shared_keys(federation, tmp_path):
                              num_supernodes=2)
         assert run.ok, run.output[-3000:]
         sizes[method] = read_results(out)["rounds"][0]["bytes_up"]
-    model = build_model(RunSettings.from_run_config({"method": "fedavg"}))
+    model = build_model(load_settings({**app_config(), "method": "fedavg"}))
     head = ArrayRecord({k: v for k, v in model.state_dict().items() if k.startswith("head.")})
     assert head.count_bytes() > (128 * 10 + 10) * 4  # cnn head: Linear(128, 10), float32
     assert sizes["fedavg"] - sizes["fedper"] == 2 * head.count_bytes()  # two clients

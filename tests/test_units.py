@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
 
 from client_app.runtime import Client
-from common.config import RunSettings
+from common.protocol import ReplyError, check_arrays, spec_of
+from common.record import personalized_stats
 from fldata import DATASETS, dataset_shape, load_client_data
 from fldata.sources import SyntheticFedFac, arrays_from_hf, load_local
 from models import BACKBONES, build_backbone
-from strategies.base import PersonalizedStrategy, ReplyError, personalized_stats, spec_of
 from strategies.baselines import body_keys, non_batchnorm_keys
-from strategies.registry import build_model
+from strategies.registry import build_model, load_settings
+from tests.conftest import app_config
 
 
 def test_arrays_from_an_in_memory_hub_style_dataset():
@@ -44,7 +47,7 @@ def test_local_directory_and_npz_datasets(tmp_path):
     x = rng.normal(size=(200, 1, 8, 8)).astype(np.float32)
     y = np.arange(200) % 4
     np.savez(tmp_path / "pool.npz", x=x, y=y)
-    s = RunSettings.from_run_config({"dataset": str(tmp_path / "pool.npz"),
+    s = load_settings({**app_config(), "dataset": str(tmp_path / "pool.npz"),
                                      "partitioner": "iid"})
     assert dataset_shape(s) == ((1, 8, 8), 4)
     parts = [load_client_data(s, pid, 4) for pid in range(4)]
@@ -78,7 +81,7 @@ def test_synthetic_fedfac_generator():
     assert 0.35 < y0.mean() < 0.65  # standardised per client: balanced classes
     # personal covariates have a client mean, shared ones do not
     assert np.abs(x0[:, :10].mean(0) - x1[:, :10].mean(0)).mean() > 0.3
-    s = RunSettings.from_run_config({"dataset": "synthetic-fedfac", "synthetic.dim": 20,
+    s = load_settings({**app_config(), "dataset": "synthetic-fedfac", "synthetic.dim": 20,
                                      "synthetic.hidden": 10, "synthetic.num-samples": 50,
                                      "synthetic.shared-param-fraction": 0.3,
                                      "synthetic.shared-covariate-fraction": 0.5,
@@ -103,17 +106,17 @@ def test_cnn_runs_on_digits_shape():
 
 def test_shared_key_rules():
     model = build_backbone("cnn", (1, 8, 8), 10)
-    s = RunSettings.from_run_config({})
+    s = load_settings(app_config())
     assert not any(k.startswith("head.") for k in body_keys(model, s))
     assert not any("running" in k for k in non_batchnorm_keys(model, s))
     assert "body.1.weight" not in non_batchnorm_keys(model, s)  # BatchNorm affine
     assert "body.0.weight" in non_batchnorm_keys(model, s)       # conv
 
 
-def _strategy() -> PersonalizedStrategy:
-    s = RunSettings.from_run_config({})
-    arrays = ArrayRecord({"w": Array(np.zeros((2, 3), np.float32))})
-    return PersonalizedStrategy(s, arrays)
+def _strategy() -> SimpleNamespace:
+    """What the server expects of a reply carrying one (2, 3) float32 array ``w``."""
+    return SimpleNamespace(shared_spec=spec_of(ArrayRecord({"w": Array(np.zeros((2, 3),
+                                                                              np.float32))})))
 
 
 @pytest.mark.parametrize(("value", "reason"), [
@@ -124,12 +127,12 @@ def _strategy() -> PersonalizedStrategy:
 def test_reply_validation_rejects(value, reason):
     strategy = _strategy()
     with pytest.raises(ReplyError, match=reason):
-        strategy._check_arrays(ArrayRecord({"w": Array(value)}), strategy.shared_spec)
+        check_arrays(ArrayRecord({"w": Array(value)}), strategy.shared_spec)
     with pytest.raises(ReplyError, match="unknown"):
-        strategy._check_arrays(ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)),
+        check_arrays(ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)),
                                             "extra": Array(np.zeros(1))}),
                                strategy.shared_spec)
-    strategy._check_arrays(ArrayRecord({"w": Array(np.ones((2, 3), np.float32))}),
+    check_arrays(ArrayRecord({"w": Array(np.ones((2, 3), np.float32))}),
                            spec_of(ArrayRecord({"w": Array(np.ones((2, 3), np.float32))})))
 
 
@@ -145,7 +148,7 @@ def test_personalized_stats():
 def _context(run_id: int, state_dir, method: str = "fedper") -> Context:
     return Context(run_id=run_id, node_id=123, node_config={
         "partition-id": 1, "num-partitions": 4, "client-id": "site-b",
-        "state-dir": str(state_dir)}, state=RecordDict(), run_config={"method": method})
+        "state-dir": str(state_dir)}, state=RecordDict(), run_config=app_config(method=method))
 
 
 def test_personal_state_survives_rounds_and_restarts(tmp_path):

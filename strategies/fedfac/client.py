@@ -1,5 +1,5 @@
-"""FedFac's client-side rules beyond plain local training (which is FedAvg's): the paper's
-evaluation of new clients (table 3).
+"""FedFac's client rule: plain local training (FedAvg's), plus the answers to the server's
+queries for the paper's evaluation of new clients (table 3).
 
 - ``fedfac.personal``: an existing client returns its analysed layers' element tensors (shared
   and personal rows). This is the only time personal elements leave a client, and it happens
@@ -14,40 +14,31 @@ evaluation of new clients (table 3).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from client_app.training import LocalTraining, evaluate, train_epochs
-
-if TYPE_CHECKING:
-    from client_app.runtime import Client
-
-MEMBER_PREFIX = "member."
+from common.protocol import ARRAYS, METRICS, NUM_EXAMPLES
+from strategies.fedfac.spec import MEMBER_PREFIX, SharedRows
+from strategies.method import ClientSide
+from strategies.training import LocalTraining, evaluate, train_epochs
 
 
-def personal_elements(client: Client, msg: Message) -> RecordDict:
-    from strategies.fedfac import element_state_keys
-
+def personal_elements(client: ClientSide, msg: Message) -> RecordDict:
     model = client.model(ArrayRecord())
     state = model.state_dict()
-    keys = element_state_keys(model, client.settings)
-    return RecordDict({"arrays": ArrayRecord({k: state[k].cpu() for k in keys}),
-                       "metrics": MetricRecord({"num-examples": len(client.data.y_train)})})
+    return RecordDict({ARRAYS: ArrayRecord({k: state[k].cpu()
+                                            for k in client.wire.always_personal}),
+                       METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_train)})})
 
 
-def local_train_personal_rows(client: Client, msg: Message) -> RecordDict:
-    from strategies.fedfac import MASK_PREFIX, _element_layers
-
-    received = msg.content["arrays"]
+def local_train_personal_rows(client: ClientSide, msg: Message) -> RecordDict:
+    received = msg.content[ARRAYS]
     model = client.model(received)
-    masks = {k[len(MASK_PREFIX):]: torch.from_numpy(v.numpy().astype(bool))
-             for k, v in received.items() if k.startswith(MASK_PREFIX)}
-    layer_of_key = _element_layers(model, client.settings)
+    wire: SharedRows = client.wire
+    masks = wire.masks_of(received.to_torch_state_dict())
     trainable, hooks = [], []
     for name, param in model.named_parameters():
-        layer = layer_of_key.get(name)
+        layer = wire.layer_of_key.get(name)
         if layer is None or layer not in masks:
             continue
         shared = masks[layer].to(param.device)
@@ -60,14 +51,14 @@ def local_train_personal_rows(client: Client, msg: Message) -> RecordDict:
     for hook in hooks:
         hook.remove()
     test_loss, accuracy = evaluate(model, client.loader(False), client.device)
-    return RecordDict({"metrics": MetricRecord({
-        "num-examples": len(client.data.y_test), "accuracy": accuracy, "loss": test_loss,
+    return RecordDict({METRICS: MetricRecord({
+        NUM_EXAMPLES: len(client.data.y_test), "accuracy": accuracy, "loss": test_loss,
         "train-loss": loss})})
 
 
 @torch.no_grad()
-def ensemble_accuracy(client: Client, msg: Message) -> RecordDict:
-    received = msg.content["arrays"]
+def ensemble_accuracy(client: ClientSide, msg: Message) -> RecordDict:
+    received = msg.content[ARRAYS]
     base = ArrayRecord({k: v for k, v in received.items() if not k.startswith(MEMBER_PREFIX)})
     members: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in received.items():
@@ -86,7 +77,7 @@ def ensemble_accuracy(client: Client, msg: Message) -> RecordDict:
         probs = torch.stack([m(x).softmax(1) for m in models]).mean(0)
         correct += (probs.argmax(1) == y).sum().item()
         count += len(y)
-    return RecordDict({"metrics": MetricRecord({"num-examples": count,
+    return RecordDict({METRICS: MetricRecord({NUM_EXAMPLES: count,
                                                 "accuracy": correct / max(count, 1)})})
 
 

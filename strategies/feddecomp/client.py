@@ -8,12 +8,12 @@ both phases (the model is in train mode), as in the paper's code.
 
 from __future__ import annotations
 
-from client_app.training import LocalTraining, train_epochs
 from models.feddecomp import is_personal_key
+from strategies.training import LocalTraining, train_epochs
 
 
 def train_feddecomp(job: LocalTraining) -> float:
-    lora_epochs = job.settings.setting("feddecomp.lora-epochs", int)
+    lora_epochs = job.settings.method_settings.lora_epochs
     named = list(job.model.named_parameters())
     tau = [p for name, p in named if is_personal_key(name)]
     sigma = [p for name, p in named if not is_personal_key(name)]

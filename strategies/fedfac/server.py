@@ -1,4 +1,4 @@
-"""FedFac / FedSplit (Wang, Tang, Li): factor analysis splits elements into shared and personal.
+"""FedFac's server rule: factor analysis splits elements into shared and personal.
 
 For every layer in ``fedfac.layers`` (see ``models/fedfac.py``) the server stacks the replying
 clients' weights of that layer into ``Z`` (one column per element, one row per (client,
@@ -31,21 +31,26 @@ from logging import INFO
 from typing import Any
 
 import numpy as np
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from torch import Tensor, nn
 
-from client_app.training.baselines import train_everything
-from client_app.training.fedfac import ACTIONS, MEMBER_PREFIX
-from common.config import ConfigError, RunSettings, in_range, one_of
-from models.fedfac import analysed_layers, element_keys
-from strategies.base import ArraySpec, ClientReply, PersonalizedStrategy, client_order
-from strategies.baselines import all_keys
-from strategies.method import Method, overlay
-
-MASK_PREFIX = "fedfac.mask."
+from common.config import RunSettings
+from common.protocol import (
+    ACTION,
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    ClientReply,
+    claimed_client_id,
+    client_order,
+)
+from fldata import synthetic_generator
+from strategies.fedfac.spec import MEMBER_PREFIX, SharedRows
+from strategies.personalized import PersonalizedStrategy
+from strategies.wire import Masks
 
 
 # ---------------------------------------------------------------------- factor analysis
@@ -103,44 +108,33 @@ def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
 # ---------------------------------------------------------------------- server
 class FedFacStrategy(PersonalizedStrategy):
     checkpointed = (*PersonalizedStrategy.checkpointed, "split", "communalities")
+    wire: SharedRows
 
-    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord) -> None:
-        super().__init__(settings, initial_arrays)
-        from strategies.registry import build_model  # the registry imports this module
-
-        model = build_model(settings)
-        self.layers = analysed_layers(model, settings.setting("fedfac.layers", str))
-        self.layer_of_key = {k: layer for layer in self.layers
-                             for k in element_keys(model, layer)}
-        self.static = settings.setting("fedfac.mode", str) == "static"
-        self.kappa = settings.setting("fedfac.kappa")
-        self.tau_quantile = settings.setting("fedfac.tau-quantile")
-        self.server_lr = settings.setting("fedfac.server-lr", float, 1.0)
+    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
+                 wire: SharedRows) -> None:
+        super().__init__(settings, initial_arrays, wire)
+        options = settings.method_settings
+        self.layers = wire.layers
+        self.layer_of_key = wire.layer_of_key
+        self.static = wire.static
+        self.kappa = options.kappa
+        self.tau_quantile = options.tau_quantile
+        self.server_lr = options.server_lr
         self.split: dict[str, np.ndarray] | None = None
         self.communalities: dict[str, np.ndarray] = {}  # last analysis (warm start)
-        self.reference = settings.setting("fedfac.split", str, "estimate")
+        self.reference = options.split
         self.true_shared = None
         if settings.dataset == "synthetic-fedfac":
-            from fldata import synthetic_generator
-
             true = synthetic_generator(settings).true_shared_units()
-            if len(true) == model.get_submodule(self.layers[0]).weight.shape[0]:
+            if len(true) == wire.shared_spec[f"{self.layers[0]}.weight"][0][0]:
                 self.true_shared = true
         self.sliced_uplink = False  # whether this round's clients send only shared rows
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> list[Message]:
+    def begin_round(self, server_round: int) -> None:
         self.sliced_uplink = self.static and self.split is not None
-        return super().configure_train(server_round, arrays, config, grid)
 
-    def expected_uplink(self, client_id: str, info: ConfigRecord) -> ArraySpec:
-        if not self.sliced_uplink:
-            return self.shared_spec
-        spec = dict(self.shared_spec)
-        for key, layer in self.layer_of_key.items():
-            shape, dtype = spec[key]
-            spec[key] = ((int(self.split[layer].sum()), *shape[1:]), dtype)
-        return spec
+    def uplink_masks(self) -> Masks | None:
+        return self.split if self.sliced_uplink else None
 
     def _analyse(self, server_round: int, replies: list[ClientReply]) -> None:
         report: dict[str, Any] = {}
@@ -164,7 +158,7 @@ class FedFacStrategy(PersonalizedStrategy):
                 report[layer]["true_overlap"] = float(
                     (mask & self.true_shared).sum() / max(self.true_shared.sum(), 1))
         self.split = split
-        self._record(server_round).extra["fedfac"] = report
+        self.report(server_round, "fedfac", report)
 
     def _reference_split(self, server_round: int, layer: str, estimated: np.ndarray
                          ) -> np.ndarray:
@@ -202,54 +196,45 @@ class FedFacStrategy(PersonalizedStrategy):
 
     def downlink(self, server_round: int, client_id: str | None,
                  arrays: ArrayRecord) -> ArrayRecord:
-        if self.split is None:
-            return arrays
-        out = {key: (Array(value.numpy()[self.split[self.layer_of_key[key]]])
-                     if key in self.layer_of_key else value) for key, value in arrays.items()}
-        for layer, mask in self.split.items():
-            out[f"{MASK_PREFIX}{layer}"] = Array(mask.astype(np.uint8))
-        return ArrayRecord(out)
+        return arrays if self.split is None else self.wire.pack_downlink(arrays, self.split)
 
     # ------------------------------------------------------------------ new clients
     def on_identified(self, client_id: str, info: dict[str, Any]) -> None:
         """Hold the last ``fedfac.new-clients`` fraction of partitions out of training."""
-        fraction = self.settings.setting("fedfac.new-clients", float, 0.0)
-        total = int(info["num-partitions"])
+        fraction = self.settings.method_settings.new_clients
+        total = int(info[NUM_PARTITIONS])
         held_out = max(1, round(fraction * total)) if fraction > 0 else 0
-        if int(info["partition-id"]) >= total - held_out and client_id not in self.excluded_clients:
-            self.excluded_clients.add(client_id)
+        excluded = self.nodes.excluded_clients
+        if int(info[PARTITION_ID]) >= total - held_out and client_id not in excluded:
+            excluded.add(client_id)
             log(INFO, "fedfac: new client %s held out of training", client_id)
-
-    def _nodes_of(self, clients: set[str]) -> list[int]:
-        return [n for n, c in self.node_to_client.items()
-                if c in clients and n not in self.replaced_nodes]
 
     def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
         """Table 3 of the paper: new clients with LocalTrain and with Ensemble."""
-        if not self.excluded_clients or self.split is None:
+        excluded = self.nodes.excluded_clients
+        if not excluded or self.split is None:
             return None
-        existing = set(self.client_info) - self.excluded_clients
-        personal = [r for r in self.query(grid, {n: RecordDict({"config": ConfigRecord(
-            {"action": "fedfac.personal"})}) for n in self._nodes_of(existing)})
+        existing = set(self.nodes.client_info) - excluded
+        personal = [r for _, r in self.query(grid, {n: RecordDict({CONFIG: ConfigRecord(
+            {ACTION: "fedfac.personal"})}) for n in self.nodes.nodes_of(existing)}).replies
             if not r.has_error()]
         downlink = self.downlink(0, None, arrays)
         members = dict(arrays.items())
         for i, reply in enumerate(personal):
-            for key, value in reply.content["arrays"].items():
+            for key, value in reply.content[ARRAYS].items():
                 shared = self.split[self.layer_of_key[key]]
                 own = value.numpy().copy()
                 own[shared] = arrays[key].numpy()[shared]  # the final shared rows
                 members[f"{MEMBER_PREFIX}{i}.{key}"] = Array(own)
-        new_nodes = self._nodes_of(self.excluded_clients)
-        report: dict[str, Any] = {"clients": sorted(self.excluded_clients, key=client_order),
+        new_nodes = self.nodes.nodes_of(excluded)
+        report: dict[str, Any] = {"clients": sorted(excluded, key=client_order),
                                   "ensemble_members": len(personal)}
         for action, payload in (("fedfac.localtrain", downlink),
                                 ("fedfac.ensemble", ArrayRecord(members))):
-            replies = self.query(grid, {n: RecordDict({"arrays": payload, "config": ConfigRecord(
-                {"action": action})}) for n in new_nodes})
-            per_client = {str(r.content["client"]["client-id"]):
-                          float(r.content["metrics"]["accuracy"])
-                          for r in replies if not r.has_error()}
+            batch = self.query(grid, {n: RecordDict({ARRAYS: payload, CONFIG: ConfigRecord(
+                {ACTION: action})}) for n in new_nodes})
+            per_client = {str(claimed_client_id(r)): float(r.content[METRICS]["accuracy"])
+                          for _, r in batch.replies if not r.has_error()}
             name = action.split(".")[1]
             report[name] = {"per_client": per_client,
                             "accuracy_mean": float(np.mean(list(per_client.values())))
@@ -263,77 +248,3 @@ class FedFacStrategy(PersonalizedStrategy):
             layer: np.flatnonzero(mask).tolist() for layer, mask in self.split.items()}}}
 
 
-# ---------------------------------------------------------------------- client side
-def _masks(incoming: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {k[len(MASK_PREFIX):]: v.bool() for k, v in incoming.items()
-            if k.startswith(MASK_PREFIX)}
-
-
-def _layer_of(key: str, masks: dict[str, Tensor], model_keys: dict[str, str]) -> str | None:
-    layer = model_keys.get(key)
-    return layer if layer in masks else None
-
-
-def merge_shared_rows(model: nn.Module, own: dict[str, Tensor], incoming: dict[str, Tensor],
-                      settings: RunSettings) -> dict[str, Tensor]:
-    """Shared rows from the server into this client's own tensors; personal rows stay."""
-    masks = _masks(incoming)
-    layer_of_key = _element_layers(model, settings)
-    merged = dict(own)
-    plain = {}
-    for key, value in incoming.items():
-        if key.startswith(MASK_PREFIX):
-            continue
-        layer = _layer_of(key, masks, layer_of_key)
-        if layer is None:
-            plain[key] = value
-            continue
-        rows = masks[layer]
-        if key not in own or value.shape != (int(rows.sum()), *own[key].shape[1:]):
-            raise ValueError(f"received array {key!r} does not fit the shared rows")
-        merged[key] = own[key].clone()
-        merged[key][rows] = value
-    return overlay(model, merged, plain, settings)
-
-
-def shared_rows_only(model: nn.Module, arrays: dict[str, Tensor], received: dict[str, Tensor],
-                     settings: RunSettings) -> dict[str, Tensor]:
-    """Static mode after the split: send only the shared rows of the analysed layers."""
-    masks = _masks(received)
-    if settings.setting("fedfac.mode", str) != "static" or not masks:
-        return arrays
-    layer_of_key = _element_layers(model, settings)
-    return {k: (v[masks[layer]] if (layer := _layer_of(k, masks, layer_of_key)) else v)
-            for k, v in arrays.items()}
-
-
-def element_state_keys(model: nn.Module, settings: RunSettings) -> list[str]:
-    """Partly personal tensors: the client always keeps them (their personal rows)."""
-    return list(_element_layers(model, settings))
-
-
-def _element_layers(model: nn.Module, settings: RunSettings) -> dict[str, str]:
-    return {k: layer for layer in analysed_layers(model, settings.setting("fedfac.layers", str))
-            for k in element_keys(model, layer)}
-
-
-def check(settings: RunSettings) -> None:
-    one_of("fedfac.mode", settings.setting("fedfac.mode", str), ["static", "dynamic"])
-    split = one_of("fedfac.split", settings.setting("fedfac.split", str, "estimate"),
-                   ["estimate", "true", "random"])
-    if split == "true" and settings.dataset != "synthetic-fedfac":
-        raise ConfigError("fedfac.split: 'true' needs dataset synthetic-fedfac; allowed "
-                          "elsewhere: estimate, random")
-    in_range("fedfac.kappa", settings.setting("fedfac.kappa"), 0, 1, low_open=True)
-    settings.setting("fedfac.tau-quantile")
-    in_range("fedfac.server-lr", settings.setting("fedfac.server-lr", float, 1.0), 0,
-             low_open=True)
-    from strategies.registry import build_model  # the registry imports this module
-
-    with torch.device("meta"):
-        analysed_layers(build_model(settings), settings.setting("fedfac.layers", str))
-
-
-METHOD = Method("fedfac", FedFacStrategy, train_everything, all_keys, validate=check,
-                merge_received=merge_shared_rows, shape_uplink=shared_rows_only,
-                always_personal=element_state_keys, actions=ACTIONS)

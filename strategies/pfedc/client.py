@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from scipy.optimize import minimize
 
-from client_app.training import LocalTraining, sgd
+from strategies.training import LocalTraining, sgd
 
 
 def min_norm_weights(gram: np.ndarray) -> np.ndarray:
@@ -54,7 +54,7 @@ def mgda_ub_weights(losses: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 def train_pfedc(job: LocalTraining) -> float:
     model, settings = job.model, job.settings
-    use_mgda = settings.setting("pfedc.mgda", bool)
+    use_mgda = settings.method_settings.mgda
     optimizer = sgd(model.parameters(), settings)
     model.train()
     total, batches = 0.0, 0

@@ -1,7 +1,8 @@
 """Local training: what a method does with its model on one client's data in one round.
 
-A method's rule is a function ``LocalTraining -> float`` (the mean training loss). The loops
-here are the building blocks; each method's rule sits beside them in its own file.
+A method's client rule is a function ``LocalTraining -> float`` (the mean training loss). The
+loops here are its building blocks; each method's rule is in its own ``client`` module
+(``strategies/<method>/client.py``), the plain one (``train_everything``) here.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def train_epochs(job: LocalTraining, params: Iterable[nn.Parameter], epochs: int
     for p in job.model.parameters():
         p.requires_grad_(True)
     return total / max(batches, 1)
+
+
+def train_everything(job: LocalTraining) -> float:
+    """FedAvg, Local, FedPer, FedBN, FedFac: every parameter for ``local-epochs`` epochs."""
+    return train_epochs(job, job.model.parameters(), job.settings.local_epochs)
 
 
 @torch.no_grad()

@@ -1,0 +1,34 @@
+"""FedDecomp's settings and wire spec.
+
+Shared: every state-dict entry except the factors ``lora_A``/``lora_B`` and BatchNorm's batch
+counters, i.e. exactly FedAvg's keys and bytes (``sigma`` keeps the original weight names):
+``sigma`` of every Linear/Conv2d, their biases, and BatchNorm affine parameters and running
+statistics (as in the paper's code). ``tau``'s factors never leave the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from common.config import KeyGroup, RunSettings, at_most_local_epochs, key
+from models.feddecomp import is_personal_key
+from strategies.wire import WireSpec, state_keys
+
+
+@dataclass(frozen=True)
+class FedDecompSettings(KeyGroup):
+    rank_conv: float = key("feddecomp.rank-conv", low=0, high=1, low_open=True)
+    rank_linear: float = key("feddecomp.rank-linear", low=0, high=1, low_open=True)
+    lora_epochs: int = key("feddecomp.lora-epochs")
+
+
+def check(settings: RunSettings, model: nn.Module) -> None:
+    at_most_local_epochs("feddecomp.lora-epochs", settings.method_settings.lora_epochs,
+                         settings.local_epochs)
+
+
+class SigmaShared(WireSpec):
+    def select_shared(self, model: nn.Module) -> list[str]:
+        return [k for k in state_keys(model) if not is_personal_key(k)]

@@ -1,0 +1,6 @@
+"""The server side every method shares; see ``strategy.py`` for the hooks a method may
+override."""
+
+from strategies.personalized.strategy import PersonalizedStrategy
+
+__all__ = ["PersonalizedStrategy"]

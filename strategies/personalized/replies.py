@@ -1,0 +1,84 @@
+"""Sending a batch of messages and reading the replies: the one validation path.
+
+``exchange`` sends and waits, and maps every reply to the node it answers for (errors made by
+the SuperLink come from node 1, so replies are matched through the ids of the messages sent).
+``valid_replies`` checks each reply's envelope (``common.protocol.parse_reply``) and, where
+arrays are expected, their keys, shapes, dtypes and values against the method's wire spec; a
+reply that fails is dropped with its reason (log and ``dropped`` in results.json), a node that
+did not reply in time likewise, and the round goes on with the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from common.protocol import (
+    ArraySpec,
+    ClientReply,
+    ReplyError,
+    check_arrays,
+    claimed_client_id,
+    client_order,
+    parse_reply,
+)
+from strategies.personalized.accounting import RoundLedger
+from strategies.personalized.identity import NodeDirectory
+
+
+@dataclass
+class Exchange:
+    """One batch: the messages sent and the replies that came back, each with its node."""
+
+    sent: list[Message]
+    replies: list[tuple[int, Message]]
+
+    def missing(self) -> list[int]:
+        """Nodes that were sent a message and did not reply in time."""
+        answered = {node for node, _ in self.replies}
+        return [m.metadata.dst_node_id for m in self.sent
+                if m.metadata.dst_node_id not in answered]
+
+
+def exchange(grid: Grid, messages: list[Message], timeout: float) -> Exchange:
+    """Send ``messages`` and wait for their replies (at most ``timeout`` seconds)."""
+    if not messages:
+        return Exchange([], [])
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    # the Grid fills in the message ids when it sends
+    destination = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+    return Exchange(messages, [(destination.get(r.metadata.reply_to_message_id,
+                                                r.metadata.src_node_id), r) for r in replies])
+
+
+def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
+                  batch: Exchange, metric_keys: tuple[str, ...], timeout: float,
+                  expected_arrays: Callable[[ClientReply], ArraySpec] | None = None
+                  ) -> list[ClientReply]:
+    """The replies of ``batch`` that pass every check, in client order (reply order is
+    arbitrary; a fixed order makes float sums, and runs, reproducible). Train replies' bytes
+    are counted whether or not they pass."""
+    for node_id in batch.missing():
+        ledger.drop(server_round, stage, node_id, nodes.client_of(node_id) or "?",
+                    f"no reply within round-timeout ({timeout:.0f} s)")
+    valid = []
+    for node_id, reply in batch.replies:
+        if stage == "train":
+            ledger.uplink(server_round, reply)
+        try:
+            checked = parse_reply(node_id, reply, metric_keys)
+            if expected_arrays is not None:
+                check_arrays(checked.arrays, expected_arrays(checked))
+        except ValueError as reason:  # ReplyError, or a wire spec refusing the reply's info
+            client_id = nodes.client_of(node_id) or claimed_client_id(reply) or "?"
+            ledger.drop(server_round, stage, node_id, client_id, str(reason))
+            continue
+        nodes.learn(node_id, checked.client_id)
+        valid.append(checked)
+    return sorted(valid, key=lambda r: client_order(r.client_id))
+
+
+__all__ = ["Exchange", "ReplyError", "exchange", "valid_replies"]
