@@ -1,0 +1,174 @@
+"""The structure the README's "How it is built" promises: layers that only point down, no
+import cycles (deferred imports included), no private names across packages, one home per
+method, and run-config keys declared once with their defaults only in pyproject.toml."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from common.config import KeyGroup, RunSettings, app_defaults
+from fldata import SyntheticSettings
+from strategies.registry import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Bottom to top; a module may import its own layer's packages or lower ones only.
+LAYERS = [
+    {"common"},                  # run config, message protocol, round record (+ launchers)
+    {"fldata", "models"},        # data and models (method transforms included)
+    {"strategies"},              # method code and the registry
+    {"client_app", "server_app"},  # the two Flower entry points
+]
+LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
+# method homes: package or module under strategies/ -> the method names it holds
+METHOD_HOMES = {"baselines": {"fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn"},
+                "feddecomp": {"feddecomp"}, "pfedc": {"pfedc"},
+                "factorized_fl": {"factorized-fl"}, "fedfac": {"fedfac"}}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every import anywhere in the file (functions included),
+    relative imports resolved."""
+    tree = ast.parse(path.read_text())
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((base, [alias.name for alias in node.names]))
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, list[tuple[str, list[str]]]]:
+    modules = {}
+    for package in LAYER_OF:
+        for path in (ROOT / package).rglob("*.py"):
+            modules[_module_name(path)] = _imports(path)
+    return modules
+
+
+def _internal(name: str, modules: dict) -> str | None:
+    """The project module ``name`` refers to (a module, or a package's ``__init__``)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_layers_only_point_down(graph):
+    upward = []
+    for module, imports in graph.items():
+        level = LAYER_OF[module.split(".")[0]]
+        for target, _ in imports:
+            top = target.split(".")[0]
+            if top in LAYER_OF and LAYER_OF[top] > level:
+                upward.append(f"{module} -> {target}")
+    assert not upward, f"imports that point up: {upward}"
+
+
+def test_no_import_cycles(graph):
+    edges: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        for target, names in imports:
+            # ``from package import name`` may name a submodule (then that is the edge)
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in graph]
+            for candidate in submodules or [target]:
+                resolved = _internal(candidate, graph)
+                if resolved and resolved != module:
+                    edges.setdefault(module, set()).add(resolved)
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_private_names_across_packages(graph):
+    crossing = [f"{module} imports {target}.{name}"
+                for module, imports in graph.items() for target, names in imports
+                for name in names
+                if name.startswith("_") and target.split(".")[0] != module.split(".")[0]]
+    assert not crossing, crossing
+
+
+def test_registry_is_imported_only_by_the_entry_points(graph):
+    importers = {module for module, imports in graph.items()
+                 if any(t == "strategies.registry" or (t == "strategies" and "registry" in n)
+                        for t, n in imports)}
+    assert {m.split(".")[0] for m in importers} <= {"client_app", "server_app"}
+
+
+def test_each_method_lives_in_its_own_home(graph):
+    """A method's home imports no other method's home, and the registry lists each method
+    from its home."""
+    for home in METHOD_HOMES:
+        for module, imports in graph.items():
+            if module != f"strategies.{home}" and not module.startswith(f"strategies.{home}."):
+                continue
+            for target, _ in imports:
+                other = next((h for h in METHOD_HOMES if h != home and (
+                    target == f"strategies.{h}" or target.startswith(f"strategies.{h}.")
+                    or target == f"models.{h}")), None)
+                assert other is None, f"{module} imports {target} (method {other})"
+    assert set(REGISTRY) == set().union(*METHOD_HOMES.values())
+
+
+def test_a_method_home_is_at_most_four_files():
+    """Server rule, client rule, wire spec and settings under ``strategies/<method>/`` plus its
+    model transform in ``models/<method>.py``: at most four files besides the record."""
+    for home in METHOD_HOMES:
+        package = ROOT / "strategies" / home
+        files = ([p for p in package.glob("*.py") if p.name != "__init__.py"]
+                 if package.is_dir() else [package.with_suffix(".py")])
+        model = ROOT / "models" / f"{home}.py"
+        assert len(files) + model.exists() <= 4, (home, files)
+
+
+def _key_groups() -> list[type[KeyGroup]]:
+    return [RunSettings, SyntheticSettings,
+            *{m.settings for m in REGISTRY.values() if m.settings is not None}]
+
+
+def test_every_key_is_declared_once_and_defaulted_only_in_pyproject():
+    declared: dict[str, str] = {}
+    for group in _key_groups():
+        for spec in dataclasses.fields(group):
+            if "key" not in spec.metadata:
+                continue
+            name = spec.metadata["key"]
+            assert name not in declared, f"{name} declared by {declared.get(name)} and {group}"
+            declared[name] = group.__name__
+            assert spec.default is dataclasses.MISSING, f"{name} has a default in code"
+            assert spec.default_factory is dataclasses.MISSING, f"{name} has a default in code"
+    defaults = app_defaults(ROOT)
+    assert set(declared) - set(defaults) == set(), "declared in code, missing in pyproject"
+    assert set(defaults) - set(declared) == set(), "in pyproject, declared nowhere in code"
+    # every default parses as its declaration says
+    for group in _key_groups():
+        group.parse(defaults)
