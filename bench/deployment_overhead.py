@@ -1,12 +1,17 @@
-"""Seconds per round of the same method in simulation and in a loopback deployment.
+"""Seconds per round in a loopback deployment and in simulation, and where they go.
 
-    python bench/deployment_overhead.py --rounds 4 --sites 3
+    python bench/deployment_overhead.py --rounds 6 --sites 3 --method fedper
 
-Simulation: ``flwr run`` on a private simulation SuperLink (Ray workers stay up between
-messages). Deployment: ``flower-superlink`` + ``--sites`` ``flower-supernode`` processes on
-loopback (``common/local_deployment.py``), where every message starts a fresh
-``flwr-clientapp`` process (Python, torch and the app are imported again) and the ServerApp's
-grid polls for replies every 3 s. Writes bench/results/deployment_overhead.md.
+Runs the same config (digits) as ``flwr run`` in simulation (Ray workers stay up between
+messages) and on a loopback deployment (``flower-superlink`` + ``--sites``
+``flower-supernode`` processes, ``common/local_deployment.py``, where every message starts a
+fresh ``flwr-clientapp`` process), each with fused evaluation (one exchange a round, the
+default) and with the two-exchange protocol. Per round it reports the wall time and the
+breakdown that ``results.json`` records: the server's wait per exchange, and per client
+message the means of process start-up and imports, setup (run config, model), data loading,
+training and evaluation. It also times ``import client_app.app`` in fresh interpreters
+(``python -X importtime``, the median of ``--import-repeats``) with its largest parts.
+Writes ``bench/results/deployment_overhead.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -14,53 +19,116 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import write_report  # noqa: E402
+from bench.report import RESULTS, write_report  # noqa: E402
 from common.local_deployment import LocalDeployment  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
 
+PHASES = ("startup", "setup", "data", "train", "evaluate")
 
-def measure(runtime, config: dict, out: Path, **kwargs) -> tuple[float, list[float]]:
+
+def import_seconds(repeats: int) -> tuple[float, list[tuple[str, float]]]:
+    """Median wall seconds of ``import client_app.app`` in a fresh interpreter, and the
+    largest top-level contributors of the median run (module, seconds)."""
+    runs = []
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                               "import client_app.app"], cwd=ROOT, capture_output=True,
+                              text=True, check=True)
+        rows = []
+        for line in done.stderr.splitlines():
+            if not line.startswith("import time:") or "|" not in line:
+                continue
+            _, cumulative, name = line.split("|")
+            depth = (len(name) - len(name.lstrip()) - 1) // 2  # nesting, from the indent
+            if cumulative.strip().isdigit():
+                rows.append((name.strip(), int(cumulative) / 1e6, depth))
+        total = next(s for n, s, _ in rows if n == "client_app.app")
+        top = sorted(((n, s) for n, s, depth in rows if depth <= 1), key=lambda r: -r[1])
+        runs.append((total, top))
+    runs.sort(key=lambda r: r[0])
+    total, top = runs[len(runs) // 2]
+    return total, [r for r in top if r[0] != "client_app.app"][:6]
+
+
+def breakdown(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over rounds 2..: wall, server wait per round, and per-message phase means."""
+    steady = rounds[1:] or rounds
+    out = {"round_seconds": statistics.median(r["seconds"] for r in steady),
+           "wait_seconds": statistics.median(sum(r.get("exchange_seconds", [0.0]))
+                                             for r in steady),
+           "exchanges": statistics.median(len(r.get("exchange_seconds", [])) for r in steady)}
+    for phase in PHASES:
+        means = []
+        for r in steady:
+            stages = r.get("client_seconds", {}).values()
+            messages = sum(s["messages"] for s in stages)
+            if messages:
+                means.append(sum(s.get(phase, 0.0) for s in stages) / messages)
+        out[phase] = statistics.median(means) if means else 0.0
+    return out
+
+
+def measure(runtime, config: dict, out: Path, **kwargs) -> dict[str, Any]:
     start = time.perf_counter()
     run = runtime.run(ROOT, {**config, "output-dir": str(out)}, **kwargs)
     wall = time.perf_counter() - start
     if not run.ok:
         raise SystemExit(run.output[-3000:])
-    return wall, [r["seconds"] for r in json.loads((out / "results.json").read_text())["rounds"]]
+    rounds = json.loads((out / "results.json").read_text())["rounds"]
+    return {"wall": wall, "rounds": [r["seconds"] for r in rounds], **breakdown(rounds),
+            "accuracy": rounds[-1]["eval"]["accuracy_weighted"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--sites", type=int, default=3)
     parser.add_argument("--method", default="fedper")
+    parser.add_argument("--import-repeats", type=int, default=5)
     args = parser.parse_args()
     config = {"method": args.method, "num-server-rounds": args.rounds, "plot": False,
               "min-nodes": args.sites}
+    rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with LocalFederation() as federation:
-            sim_wall, sim = measure(federation, config, Path(tmp) / "sim",
-                                    num_supernodes=args.sites)
-        with LocalDeployment(args.sites) as deployment:
-            dep_wall, dep = measure(deployment, config, Path(tmp) / "dep")
-    steady_sim, steady_dep = statistics.median(sim[1:]), statistics.median(dep[1:])
-    table = ("| runtime | wall time (whole run) | round 1 | median round 2.. |\n"
-             "|---|---|---|---|\n"
-             f"| simulation (Ray) | {sim_wall:.1f} s | {sim[0]:.1f} s | {steady_sim:.2f} s |\n"
-             f"| loopback deployment | {dep_wall:.1f} s | {dep[0]:.1f} s | "
-             f"{steady_dep:.2f} s |\n"
-             f"| ratio | {dep_wall / sim_wall:.1f}x | | {steady_dep / steady_sim:.1f}x |\n")
+        for fused in (True, False):
+            label = "fused" if fused else "two exchanges"
+            setting = {**config, "fused-evaluation": fused}
+            with LocalDeployment(args.sites) as deployment:
+                rows[f"deployment, {label}"] = measure(
+                    deployment, setting, Path(tmp) / f"dep-{fused}")
+            with LocalFederation() as federation:
+                rows[f"simulation, {label}"] = measure(
+                    federation, setting, Path(tmp) / f"sim-{fused}", num_supernodes=args.sites)
+    imports, top = import_seconds(args.import_repeats)
+    lines = ["| runtime | whole run | median round 2.. | exchanges | server wait | "
+             "per message: start-up+imports | setup | data | train | evaluate | final acc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in rows.items():
+        lines.append(f"| {label} | {r['wall']:.1f} s | **{r['round_seconds']:.2f} s** | "
+                     f"{r['exchanges']:.0f} | {r['wait_seconds']:.2f} s | "
+                     f"{r['startup']:.2f} s | {r['setup']:.2f} s | {r['data']:.3f} s | "
+                     f"{r['train']:.2f} s | {r['evaluate']:.3f} s | {r['accuracy']:.4f} |")
+    lines += ["", f"`import client_app.app` in a fresh interpreter: **{imports:.2f} s** "
+              f"(median of {args.import_repeats}); largest parts: "
+              + ", ".join(f"`{n}` {s:.2f} s" for n, s in top) + "."]
     command = (f"python bench/deployment_overhead.py --rounds {args.rounds} "
                f"--sites {args.sites} --method {args.method}")
-    write_report("deployment_overhead", f"Simulation vs loopback deployment ({args.method}, "
-                 f"digits, {args.sites} sites)", command, table)
+    write_report("deployment_overhead", f"Round time: loopback deployment vs simulation "
+                 f"({args.method}, digits, {args.sites} sites)", command,
+                 "\n".join(lines) + "\n")
+    (RESULTS / "deployment_overhead.json").write_text(json.dumps(
+        {"command": command, "runs": rows, "import_seconds": imports, "import_top": top},
+        indent=2))
 
 
 if __name__ == "__main__":

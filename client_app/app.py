@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_app.runtime import Client
+from client_app.runtime import Client, process_age
 from common.protocol import (
     ACTION,
     ARRAYS,
@@ -21,29 +21,69 @@ from common.protocol import (
     NUM_EXAMPLES,
     SERVER_ROUND,
 )
+from strategies.personalized.evaluation import (
+    EVAL_ACCURACY,
+    EVAL_EXAMPLES,
+    EVAL_LOSS,
+    EVALUATE_FIRST,
+)
 from strategies.training import LocalTraining, evaluate
 
 app = ClientApp()
+_fresh_process = True  # no message handled in this process yet
+
+
+class Phases:
+    """Wall seconds of a handler's phases, reported as ``seconds-<phase>`` metrics: start-up
+    (process start to the first handler: a deployed SuperNode starts a fresh process per
+    message), setup (run config, model template), data (loading this client's split), train,
+    evaluate."""
+
+    def __init__(self) -> None:
+        global _fresh_process
+        self.seconds = {"startup": process_age() if _fresh_process else 0.0}
+        _fresh_process = False
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
+        self._mark = now
+
+    def metrics(self) -> dict[str, float]:
+        return {f"seconds-{phase}": value for phase, value in self.seconds.items()}
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     started = time.process_time()  # CPU time of this handler: the client's work, as a metric
+    phases = Phases()
     client = Client.from_context(context)
+    phases.lap("setup")
     server_round = int(msg.content[CONFIG][SERVER_ROUND])
     received = msg.content[ARRAYS]
+    client.data  # noqa: B018 (load it here, so that the data phase is timed on its own)
+    phases.lap("data")
     model = client.model(received, server_round - 1, msg.content[CONFIG])
+    evaluation = {}
+    if msg.content[CONFIG].get(EVALUATE_FIRST, False):
+        # the personalized evaluation of the last round: what this client starts from
+        eval_loss, eval_accuracy = evaluate(model, client.loader(train=False), client.device)
+        evaluation = {EVAL_ACCURACY: eval_accuracy, EVAL_LOSS: eval_loss,
+                      EVAL_EXAMPLES: len(client.data.y_test)}
+        phases.lap("evaluate")
     torch.manual_seed(client.settings.seed * 7919 + server_round * 31 + client.partition_id)
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
+    phases.lap("train")
     identity = client.identity()
     shared = client.shared_arrays(model, received, identity)
     client.keep_personal(model, received, shared, server_round)
     return Message(RecordDict({
         ARRAYS: shared,
         METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_train),
-                               "train-loss": float(loss),
+                               "train-loss": float(loss), **evaluation, **phases.metrics(),
                                "cpu-seconds": time.process_time() - started}),
         CLIENT: identity,
     }), reply_to=msg)
@@ -52,14 +92,19 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_personalized(msg: Message, context: Context) -> Message:
     started = time.process_time()
+    phases = Phases()
     client = Client.from_context(context)
+    phases.lap("setup")
     received: ArrayRecord = msg.content[ARRAYS]
     config = msg.content[CONFIG]
+    client.data  # noqa: B018 (timed on its own)
+    phases.lap("data")
     model = client.model(received, int(config[SERVER_ROUND]), config)
     loss, accuracy = evaluate(model, client.loader(train=False), client.device)
+    phases.lap("evaluate")
     return Message(RecordDict({
         METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_test), "loss": loss,
-                               "accuracy": accuracy,
+                               "accuracy": accuracy, **phases.metrics(),
                                "cpu-seconds": time.process_time() - started}),
         CLIENT: client.identity(),
     }), reply_to=msg)

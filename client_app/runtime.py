@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from logging import INFO, WARNING
@@ -19,11 +20,23 @@ from torch.utils.data import DataLoader, TensorDataset
 from common.config import ConfigError, RunSettings
 from common.protocol import CLIENT_ID, NUM_PARTITIONS, PARTITION_ID, identity_record
 from fldata import ClientData, load_client_data
+from fldata.cache import default_cache_dir
 from strategies.method import Method
 from strategies.registry import REGISTRY, load_settings
 from strategies.wire import WireSpec
 
 PERSONAL = "personal-state"
+
+
+def process_age() -> float:
+    """Seconds since this process started (0.0 where ``/proc`` is not there): at a handler's
+    entry in a fresh ``flwr-clientapp`` process, its start-up and imports."""
+    try:
+        with open("/proc/self/stat") as stat:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
 
 
 def select_device(setting: str) -> torch.device:
@@ -38,9 +51,12 @@ def select_device(setting: str) -> torch.device:
 
 @lru_cache(maxsize=4)
 def _client_data(run_config_json: str, partition_id: int, num_partitions: int,
-                 data_dir: str | None) -> ClientData:
+                 data_dir: str | None, state_dir: str | None) -> ClientData:
     settings = load_settings(json.loads(run_config_json))
-    return load_client_data(settings, partition_id, num_partitions, data_dir)
+    cache = settings.data_cache
+    cache_dir = (None if cache == "off" else Path(cache) if cache
+                 else default_cache_dir(state_dir))
+    return load_client_data(settings, partition_id, num_partitions, data_dir, cache_dir)
 
 
 @dataclass
@@ -89,8 +105,9 @@ class Client:
     def data(self) -> ClientData:
         node = self.context.node_config
         data_dir = str(node["data-dir"]) if node.get("data-dir") else None
+        state_dir = node.get("state-dir")
         return _client_data(json.dumps(self.settings.raw, sort_keys=True), self.partition_id,
-                            self.num_partitions, data_dir)
+                            self.num_partitions, data_dir, str(state_dir) if state_dir else None)
 
     def loader(self, train: bool, server_round: int = 0) -> DataLoader:
         data = self.data

@@ -28,6 +28,10 @@ class RoundRecord:
     # CPU seconds: clients' train/evaluate handlers (their ``cpu-seconds`` metric, summed) and
     # the server's strategy work (message building, validation, aggregation)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # wall time: the clients' phases per stage (sums, with the number of messages) and the
+    # server's wait for each exchange
+    client_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    exchange_seconds: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific, e.g. similarities
 
     def add_cpu(self, name: str, seconds: float) -> None:
@@ -48,6 +52,10 @@ class RoundRecord:
             entry["dropped"] = self.dropped
         if self.cpu_seconds:
             entry["cpu_seconds"] = self.cpu_seconds
+        if self.client_seconds:
+            entry["client_seconds"] = self.client_seconds
+        if self.exchange_seconds:
+            entry["exchange_seconds"] = self.exchange_seconds
         entry.update(self.extra)
         return entry
 

@@ -6,6 +6,7 @@ ServerApp the input shape and number of classes without loading any data.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import ConfigError, KeyGroup, RunSettings, key, one_of
+from fldata.cache import cache_key, cached_split, fingerprint
 from fldata.partition import label_permutation, partition_indices, train_test_split
 from fldata.sources import SyntheticFedFac, arrays_from_hf, digits_pool, load_local
 
@@ -111,11 +113,16 @@ def default_model(settings: RunSettings) -> str:
     return "mlp" if len(shape) == 1 else "cnn"
 
 
-@lru_cache(maxsize=2)
 def _pool(dataset: str) -> tuple[np.ndarray, np.ndarray]:
     if dataset == "digits":
         return digits_pool()
-    return load_local(dataset)
+    return _local_pool(dataset, json.dumps(fingerprint(dataset)))
+
+
+@lru_cache(maxsize=2)
+def _local_pool(path: str, version: str) -> tuple[np.ndarray, np.ndarray]:
+    """A local pool, kept while its files (``version``: their fingerprint) stay the same."""
+    return load_local(path)
 
 
 def _hub_partition(settings: RunSettings, partition_id: int,
@@ -137,17 +144,37 @@ def _hub_partition(settings: RunSettings, partition_id: int,
 
 
 def load_client_data(settings: RunSettings, partition_id: int, num_partitions: int,
-                     data_dir: str | None = None) -> ClientData:
+                     data_dir: str | None = None, cache_dir: Path | None = None) -> ClientData:
     """One client's train/test split.
 
     ``data_dir`` (a SuperNode's ``data-dir`` node config) is a device's own data: it is used
     whole, with no partitioning. Otherwise the run's dataset is partitioned over
-    ``num_partitions`` clients and this client takes partition ``partition_id``.
+    ``num_partitions`` clients and this client takes partition ``partition_id``. With
+    ``cache_dir`` the split is computed once and memory-mapped after (``fldata/cache.py``).
     """
     if not 0 <= partition_id < num_partitions:
         raise ConfigError(f"partition-id: {partition_id} is out of range; allowed: "
                           f"[0, {num_partitions - 1}]")
     _, num_classes = dataset_shape(settings)
+
+    def compute() -> dict[str, np.ndarray]:
+        return _split(settings, partition_id, num_partitions, num_classes, data_dir)
+
+    if cache_dir is None:
+        split = compute()
+    else:
+        sources = [fingerprint(p) for p in (data_dir, settings.data_root) if p]
+        if is_local_path(settings.dataset):
+            sources.append(fingerprint(settings.dataset))
+        split = cached_split(cache_dir, cache_key(
+            {**settings.raw, "data-dir": data_dir}, partition_id, num_partitions, sources),
+            compute)
+    return ClientData(split["x_train"], split["y_train"], split["x_test"], split["y_test"],
+                      num_classes)
+
+
+def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_classes: int,
+           data_dir: str | None) -> dict[str, np.ndarray]:
     if data_dir:
         x, y = load_local(Path(data_dir))
     elif settings.dataset == "synthetic-fedfac":
@@ -163,4 +190,4 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
     train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
     if settings.permute_labels:
         y = label_permutation(num_classes, settings.seed, partition_id)[y]
-    return ClientData(x[train], y[train], x[test], y[test], num_classes)
+    return {"x_train": x[train], "y_train": y[train], "x_test": x[test], "y_test": y[test]}

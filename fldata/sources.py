@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
+
+if TYPE_CHECKING:  # the Hugging Face datasets library loads in seconds: only where it is used
+    import datasets
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ def digits_pool() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _image_column(ds: datasets.Dataset) -> str:
+    import datasets
+
     for name, feature in ds.features.items():
         if isinstance(feature, datasets.Image):
             return name
@@ -101,6 +106,8 @@ def arrays_from_hf(ds: datasets.Dataset, label_column: str = "label") -> tuple[n
 
     Grey images become (N, 1, H, W), colour ones (N, 3, H, W), normalised as above.
     """
+    import datasets
+
     column = _image_column(ds)
     images = ds.with_format("numpy")[column] if not isinstance(
         ds.features[column], datasets.Image) else np.stack([np.asarray(im) for im in ds[column]])
@@ -125,6 +132,8 @@ def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarra
     if path.suffix == ".npz":
         with np.load(path) as data:
             return data["x"].astype(np.float32), data["y"].astype(np.int64)
+    import datasets
+
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         loaded = loaded["train"]

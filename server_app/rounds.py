@@ -36,6 +36,7 @@ def save_checkpoint(path: Path, server_round: int, arrays: ArrayRecord,
     payload = {"round": server_round, "run_ids": run_ids,
                "arrays": {k: v.numpy() for k, v in arrays.items()},
                "strategy": strategy.checkpoint_state(), "rounds": recorder.rounds,
+               "pending_evaluation": strategy.pending_state(server_round),
                "random": random.getstate()}
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as file:
@@ -55,6 +56,7 @@ def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
            recorder: ResultsRecorder) -> tuple[int, ArrayRecord]:
     """Restore a checkpoint; returns (first round to run, shared arrays)."""
     strategy.restore_state(checkpoint["strategy"])
+    strategy.restore_pending(checkpoint.get("pending_evaluation"))
     recorder.rounds = list(checkpoint["rounds"])
     random.setstate(checkpoint["random"])
     arrays = ArrayRecord({k: Array(v) for k, v in checkpoint["arrays"].items()})
@@ -65,14 +67,23 @@ def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
 def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsRecorder,
                arrays: ArrayRecord, first_round: int, last_round: int,
                run_ids: list[str]) -> ArrayRecord:
+    fused = strategy.settings.fused_evaluation
     recorder.start()  # starts the round clock, writes results.json
     for server_round in range(first_round, last_round + 1):
         log(INFO, "[round %d/%d]", server_round, last_round)
         updated = strategy.train_round(grid, server_round, arrays)
         if updated is not None:
             arrays = updated
-        strategy.evaluate_round(grid, server_round, arrays)
-        recorder.on_round(server_round)
+        if not fused:
+            strategy.evaluate_round(grid, server_round, arrays)
+            recorder.on_round(server_round)
+        elif server_round > 1:  # this exchange carried the previous round's evaluation
+            recorder.on_round(server_round - 1)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
+                        recorder, run_ids)
+    if fused:  # the last round's evaluation: its own exchange
+        strategy.evaluate_round(grid, last_round, arrays)
+        recorder.on_round(last_round)
+        save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, strategy,
                         recorder, run_ids)
     return arrays

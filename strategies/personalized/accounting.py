@@ -36,9 +36,24 @@ class RoundLedger:
             self.record(server_round).add_cpu("server", time.process_time() - started)
 
     def client_cpu(self, server_round: int, stage: str, replies: list[ClientReply]) -> None:
-        """The clients' own ``cpu-seconds`` metric, summed per stage."""
-        self.record(server_round).add_cpu(
-            f"clients_{stage}", sum(float(r.metrics.get("cpu-seconds", 0.0)) for r in replies))
+        """The clients' own ``cpu-seconds`` metric, and their ``seconds-<phase>`` wall times,
+        summed per stage (with the number of messages, for means)."""
+        record = self.record(server_round)
+        record.add_cpu(f"clients_{stage}",
+                       sum(float(r.metrics.get("cpu-seconds", 0.0)) for r in replies))
+        if not replies:
+            return
+        phases = record.client_seconds.setdefault(stage, {"messages": 0})
+        phases["messages"] += len(replies)
+        for reply in replies:
+            for name, value in reply.metrics.items():
+                if name.startswith("seconds-") and isinstance(value, float):
+                    phase = name.removeprefix("seconds-")
+                    phases[phase] = phases.get(phase, 0.0) + value
+
+    def exchanged(self, server_round: int, seconds: float) -> None:
+        """Wall seconds the server waited for one exchange's replies."""
+        self.record(server_round).exchange_seconds.append(seconds)
 
     def downlink(self, server_round: int, messages: list[Message]) -> None:
         """Bytes of the arrays in ``messages`` (all of one message type)."""

@@ -8,7 +8,12 @@ its own per-client downlink at once and its old node is no longer sampled.
 
 from __future__ import annotations
 
+import time
+from logging import INFO, WARNING
 from typing import Any
+
+from flwr.common.logger import log
+from flwr.serverapp import Grid
 
 from common.protocol import client_order
 
@@ -70,3 +75,23 @@ class NodeDirectory:
         """The current nodes of ``clients``."""
         return [n for n, c in self.node_to_client.items()
                 if c in clients and n not in self.replaced_nodes]
+
+
+def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float) -> list[int]:
+    """The connected nodes, once there are ``min_nodes`` of them.
+
+    Waits at most ``timeout`` seconds: then it goes on with the nodes there are (a dead node
+    must not stall the run), and fails with a clear error only if there are none."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = list(grid.get_node_ids())
+        if len(nodes) >= min_nodes:
+            return nodes
+        if time.monotonic() >= deadline:
+            if not nodes:
+                raise RuntimeError(f"no node connected within round-timeout ({timeout:.0f} s)")
+            log(WARNING, "only %d of min-nodes=%d nodes connected after %.0f s; going on",
+                len(nodes), min_nodes, timeout)
+            return nodes
+        log(INFO, "waiting for nodes: %d connected, min-nodes=%d", len(nodes), min_nodes)
+        time.sleep(1)

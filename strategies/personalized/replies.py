@@ -10,10 +10,11 @@ did not reply in time likewise, and the round goes on with the rest.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flwr.app import Message
+from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
 from common.protocol import (
@@ -28,6 +29,8 @@ from common.protocol import (
 from strategies.personalized.accounting import RoundLedger
 from strategies.personalized.identity import NodeDirectory
 
+POLL_SECONDS = 0.2
+
 
 @dataclass
 class Exchange:
@@ -35,6 +38,14 @@ class Exchange:
 
     sent: list[Message]
     replies: list[tuple[int, Message]]
+
+    def by_type(self) -> dict[str, Exchange]:
+        """The batch split by message type (``train`` / ``evaluate``), each reply with the
+        message it answers."""
+        type_of = {m.metadata.dst_node_id: m.metadata.message_type for m in self.sent}
+        return {kind: Exchange([m for m in self.sent if m.metadata.message_type == kind],
+                               [(n, r) for n, r in self.replies if type_of.get(n) == kind])
+                for kind in (MessageType.TRAIN, MessageType.EVALUATE)}
 
     def missing(self) -> list[int]:
         """Nodes that were sent a message and did not reply in time."""
@@ -44,11 +55,21 @@ class Exchange:
 
 
 def exchange(grid: Grid, messages: list[Message], timeout: float) -> Exchange:
-    """Send ``messages`` and wait for their replies (at most ``timeout`` seconds)."""
+    """Send ``messages`` and collect their replies until all are in or ``timeout`` seconds
+    have passed, looking every ``POLL_SECONDS`` (Flower's ``send_and_receive`` looks every
+    3 s in a deployment, so each exchange would end on a 3 s boundary)."""
     if not messages:
         return Exchange([], [])
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
-    # the Grid fills in the message ids when it sends
+    pending = set(grid.push_messages(messages))  # the Grid fills in the message ids
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    while True:
+        arrived = list(grid.pull_messages(pending))
+        replies += arrived
+        pending.difference_update(r.metadata.reply_to_message_id for r in arrived)
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
     destination = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
     return Exchange(messages, [(destination.get(r.metadata.reply_to_message_id,
                                                 r.metadata.src_node_id), r) for r in replies])

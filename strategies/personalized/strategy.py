@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 import time
-from logging import INFO, WARNING
+from logging import WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -39,27 +39,25 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from common.config import RunSettings
 from common.protocol import (
-    ACTION,
     ARRAYS,
-    CLIENT,
-    CLIENT_ID,
     CONFIG,
     EVALUATE_METRICS,
-    IDENTIFY,
     NUM_EXAMPLES,
     SERVER_ROUND,
     TRAIN_METRICS,
     ArraySpec,
     ClientReply,
+    client_order,
 )
-from common.record import personalized_stats
 from strategies.personalized.accounting import RoundLedger
-from strategies.personalized.identity import NodeDirectory
+from strategies.personalized.admission import Admission
+from strategies.personalized.evaluation import EVALUATE_FIRST, Evaluation, fused_evaluation
+from strategies.personalized.identity import NodeDirectory, wait_for_nodes
 from strategies.personalized.replies import Exchange, exchange, valid_replies
 from strategies.wire import Masks, WireSpec
 
 
-class PersonalizedStrategy:
+class PersonalizedStrategy(Admission, Evaluation):
     """Example-weighted mean of a method's shared parameters, with per-node messages,
     validation, client identity and accounting."""
 
@@ -78,6 +76,9 @@ class PersonalizedStrategy:
         # added to every train/evaluate message's config (resume lineage, see server_app)
         self.message_config: dict[str, Any] = {}
         self._rejoined_at_evaluate: set[str] = set()
+        # nodes drawn to evaluate the last round, not yet asked (node -> client id)
+        self.pending_evaluation: dict[int, str | None] | None = None
+        self._pending_clients: set[str] | None = None  # the same, after a resume
 
     @property
     def shared_spec(self) -> ArraySpec:
@@ -137,170 +138,119 @@ class PersonalizedStrategy:
         for name in self.checkpointed:
             setattr(self, name, state[name])
 
-    # ------------------------------------------------------------------ identity
-    def identify(self, grid: Grid) -> None:
-        """Ask every connected node who it is, before the first round, so that everything
-        per client is keyed by client id from the start."""
-        nodes = self.connected_nodes(grid)
-        self._identify_nodes(grid, nodes)
-        log(INFO, "identify: %d of %d nodes answered", len(self.nodes.client_info), len(nodes))
-
-    def _identify_nodes(self, grid: Grid, nodes: list[int]) -> None:
-        """Ask ``nodes`` who they are. A node that does not reply at all is ``silent`` (not
-        sampled until it replies); one that replies without a client id (a ClientApp without
-        the ``identify`` query) is alive and is learned from its train replies instead."""
-        batch = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({ACTION: IDENTIFY})})
-                                  for n in nodes})
-        self.nodes.heard_from(nodes, [node for node, _ in batch.replies])
-        for node_id, reply in batch.replies:
-            info = (None if reply.has_error() else reply.content.config_records.get(CLIENT))
-            if info is None or not isinstance(info.get(CLIENT_ID), str):
-                log(WARNING, "identify: node %d did not answer (%s)", node_id,
-                    reply.error.reason if reply.has_error() else "no client id")
-                continue
-            client_id = str(info[CLIENT_ID])
-            self.nodes.identified(node_id, client_id, dict(info))
-            self.on_identified(client_id, dict(info))
-
-    def admit_new_nodes(self, server_round: int, stage: str, grid: Grid, nodes: list[int],
-                        arrays: ArrayRecord) -> None:
-        """Identify nodes that connected since the last exchange, before they get work.
-
-        A restarted SuperNode comes back with a new node id (and an empty ``context.state``);
-        identified first, it gets its own per-client downlink at once, and its old node id is
-        no longer sampled. A round with newcomers waits at most one extra ``round-timeout``
-        for them, plus one for a rejoin evaluation.
-
-        A client that was here before (a rejoin) is evaluated before it trains again, and its
-        accuracy goes into this round's ``rejoined`` entry, which shows whether its personal
-        state came back (from ``state-dir``). At the train exchange that is an extra evaluate
-        message; at the evaluate exchange the regular evaluation is that first one."""
-        new = self.nodes.unidentified(nodes, server_round)
-        if not new:
-            return
-        known = set(self.nodes.client_info)
-        self._identify_nodes(grid, new)
-        rejoined = {n: self.nodes.node_to_client[n] for n in new
-                    if self.nodes.client_of(n) in known - self.nodes.excluded_clients}
-        if not rejoined:
-            return
-        if stage == MessageType.EVALUATE:
-            self._rejoined_at_evaluate.update(rejoined.values())
-            return
-        # the state it came back with: not ahead of the last completed round
-        messages = self._addressed(server_round, rejoined, arrays, MessageType.EVALUATE,
-                                   server_round - 1)
-        valid = valid_replies(self.ledger, self.nodes, server_round, "rejoin",
-                              exchange(grid, messages, self.settings.round_timeout),
-                              EVALUATE_METRICS, self.settings.round_timeout)
-        self.ledger.client_cpu(server_round, "evaluate", valid)
-        self._record_rejoined(server_round, valid)
-
-    def _record_rejoined(self, server_round: int, replies: list[ClientReply]) -> None:
-        scores = {r.client_id: float(r.metrics["accuracy"]) for r in replies}
-        self.ledger.record(server_round).extra.setdefault("rejoined", {}).update(scores)
-        for client_id, accuracy in scores.items():
-            log(INFO, "round %d: client %s rejoined (new node); accuracy before training "
-                "again %.4f (last before: %s)", server_round, client_id, accuracy,
-                self.per_client_accuracy.get(client_id))
-
     def connected_nodes(self, grid: Grid) -> list[int]:
-        """The connected nodes, once there are ``min-nodes`` of them.
-
-        Waits at most ``round-timeout`` seconds: then it goes on with the nodes there are (a
-        dead node must not stall the run), and fails with a clear error only if there are
-        none."""
-        deadline = time.monotonic() + self.settings.round_timeout
-        while True:
-            nodes = list(grid.get_node_ids())
-            if len(nodes) >= self.settings.min_nodes:
-                return nodes
-            if time.monotonic() >= deadline:
-                if not nodes:
-                    raise RuntimeError(f"no node connected within round-timeout "
-                                       f"({self.settings.round_timeout:.0f} s)")
-                log(WARNING, "only %d of min-nodes=%d nodes connected after %.0f s; going on",
-                    len(nodes), self.settings.min_nodes, self.settings.round_timeout)
-                return nodes
-            log(INFO, "waiting for nodes: %d connected, min-nodes=%d", len(nodes),
-                self.settings.min_nodes)
-            time.sleep(1)
+        return wait_for_nodes(grid, self.settings.min_nodes, self.settings.round_timeout)
 
     # ------------------------------------------------------------------ messages
     def _addressed(self, server_round: int, clients: dict[int, str | None], arrays: ArrayRecord,
-                   message_type: str, config_round: int) -> list[Message]:
+                   message_type: str, config_round: int,
+                   evaluate_first: set[int] | frozenset[int] = frozenset()) -> list[Message]:
         """One message per node (``clients``: node -> client id) with its own downlink, the
-        run's ``message_config`` and ``server-round = config_round``; the arrays' bytes go
-        into the round's downlink count."""
+        run's ``message_config`` and ``server-round = config_round`` (and, for the nodes in
+        ``evaluate_first``, the fused-evaluation flag); the arrays' bytes go into round
+        ``server_round``'s downlink count."""
         messages = [Message(RecordDict({   # a fresh RecordDict per node: never shared
             ARRAYS: self.downlink(server_round, client_id, arrays),
-            CONFIG: ConfigRecord({**self.message_config, SERVER_ROUND: config_round}),
+            CONFIG: ConfigRecord({**self.message_config, SERVER_ROUND: config_round,
+                                  **({EVALUATE_FIRST: True} if node_id in evaluate_first
+                                     else {})}),
         }), dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
             for node_id, client_id in clients.items()]
         self.ledger.downlink(server_round, messages)
         return messages
 
-    def _sample(self, server_round: int, arrays: ArrayRecord, grid: Grid, fraction: float,
-                message_type: str) -> list[Message]:
-        """Messages to a ``fraction`` of the samplable nodes (newcomers identified first)."""
+    def _pick(self, server_round: int, arrays: ArrayRecord, grid: Grid, fraction: float,
+              message_type: str) -> dict[int, str | None]:
+        """A ``fraction`` of the samplable nodes (newcomers identified first): node ->
+        client id."""
         if fraction == 0.0:
-            return []
+            return {}
         nodes = self.connected_nodes(grid)
         self.admit_new_nodes(server_round, message_type, grid, nodes, arrays)
         eligible = self.nodes.samplable(nodes)
         node_ids = random.sample(eligible, min(len(eligible),
                                                max(int(len(eligible) * fraction), 1)))
-        return self._addressed(server_round, {n: self.nodes.client_of(n) for n in node_ids},
-                               arrays, message_type, server_round)
+        return {n: self.nodes.client_of(n) for n in node_ids}
+
+    def send(self, grid: Grid, messages: list[Message]) -> Exchange:
+        """One exchange; its wait goes into the round of its messages (``group_id``)."""
+        started = time.perf_counter()
+        batch = exchange(grid, messages, self.settings.round_timeout)
+        if messages:
+            self.ledger.exchanged(int(messages[0].metadata.group_id),
+                                  time.perf_counter() - started)
+        return batch
+
+    def validate(self, server_round: int, stage: str, batch: Exchange,
+                 metric_keys: tuple[str, ...], masks: Masks | None = None,
+                 arrays: bool = False) -> list[ClientReply]:
+        """The valid replies of ``batch`` (arrays checked against the wire spec's uplink
+        when ``arrays``)."""
+        expected = ((lambda reply: self.wire.uplink_spec(reply.info, masks)) if arrays
+                    else None)
+        return valid_replies(self.ledger, self.nodes, server_round, stage, batch, metric_keys,
+                             self.settings.round_timeout, expected)
 
     # ------------------------------------------------------------------ rounds
     def train_round(self, grid: Grid, server_round: int, arrays: ArrayRecord
                     ) -> ArrayRecord | None:
         """Sample, send, validate, aggregate; the new shared arrays (None: no valid reply,
-        the shared model stays as it was)."""
+        the shared model stays as it was). With fused evaluation the same exchange carries
+        the evaluation of the previous round (``evaluation.py``), and the clients that will
+        evaluate this round are drawn at its end."""
+        fused = self.settings.fused_evaluation
         with self.ledger.server_cpu(server_round):
             self.begin_round(server_round)
-            messages = self._sample(server_round, arrays, grid, self.settings.fraction_train,
-                                    MessageType.TRAIN)
+            trainers = self._pick(server_round, arrays, grid, self.settings.fraction_train,
+                                  MessageType.TRAIN)
+            evaluators, self.pending_evaluation = self.pending_evaluation or {}, None
+            previous = server_round - 1
+            messages = self._addressed(server_round, trainers, arrays, MessageType.TRAIN,
+                                       server_round, evaluate_first=set(evaluators))
+            evaluate_only = {n: c for n, c in evaluators.items() if n not in trainers}
+            messages += self._addressed(previous, evaluate_only, arrays, MessageType.EVALUATE,
+                                        previous)
             self.global_arrays = arrays
-        batch = exchange(grid, messages, self.settings.round_timeout)
+        parts = self.send(grid, messages).by_type()
         with self.ledger.server_cpu(server_round):
-            masks = self.uplink_masks()
-            valid = valid_replies(
-                self.ledger, self.nodes, server_round, "train", batch, TRAIN_METRICS,
-                self.settings.round_timeout,
-                expected_arrays=lambda reply: self.wire.uplink_spec(reply.info, masks))
+            valid = self.validate(server_round, "train", parts[MessageType.TRAIN],
+                                  TRAIN_METRICS, self.uplink_masks(), arrays=True)
             self.ledger.client_cpu(server_round, "train", valid)
-            if not valid:
-                log(WARNING, "round %d: no valid train reply; the shared model is unchanged",
-                    server_round)
-                return None
-            updated = self.aggregate_shared(server_round, valid, self.global_arrays)
-            total = sum(r.num_examples for r in valid)
-            loss = sum(float(r.metrics["train-loss"]) * r.num_examples for r in valid) / total
-            self.ledger.record(server_round).train = {"loss": loss, "num_clients": len(valid)}
-            return updated
+            if evaluators:
+                self._fused_evaluation(previous, valid, parts[MessageType.EVALUATE],
+                                       set(evaluators))
+            updated = self._aggregate(server_round, valid)
+        if fused:
+            with self.ledger.server_cpu(server_round):
+                self.draw_evaluation(grid, server_round,
+                                     arrays if updated is None else updated)
+        return updated
 
-    def evaluate_round(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> None:
-        """Every sampled client scores its personalized model on its own test split."""
-        with self.ledger.server_cpu(server_round):
-            messages = self._sample(server_round, arrays, grid,
-                                    self.settings.fraction_evaluate, MessageType.EVALUATE)
-        batch = exchange(grid, messages, self.settings.round_timeout)
-        with self.ledger.server_cpu(server_round):
-            valid = valid_replies(self.ledger, self.nodes, server_round, "evaluate", batch,
-                                  EVALUATE_METRICS, self.settings.round_timeout)
-            self.ledger.client_cpu(server_round, "evaluate", valid)
-            rejoined = [r for r in valid if r.client_id in self._rejoined_at_evaluate]
-            if rejoined:
-                self._record_rejoined(server_round, rejoined)
-                self._rejoined_at_evaluate.difference_update(r.client_id for r in rejoined)
-            if not valid:
-                return
-            stats = personalized_stats({r.client_id: (float(r.metrics["accuracy"]),
-                                                      r.num_examples) for r in valid})
-            self.ledger.record(server_round).eval = stats
-            self.per_client_accuracy.update(stats["per_client"])
-            log(INFO, "round %d: personalized accuracy weighted %.4f mean %.4f min %.4f "
-                "(%d clients)", server_round, stats["accuracy_weighted"],
-                stats["accuracy_mean"], stats["accuracy_min"], stats["num_clients"])
+    def _fused_evaluation(self, server_round: int, train_replies: list[ClientReply],
+                          batch: Exchange, evaluators: set[int]) -> None:
+        """Round ``server_round``'s evaluation from the train replies of this exchange (their
+        ``eval-*`` metrics) and from its evaluate replies."""
+        valid = self.validate(server_round, "evaluate", batch, EVALUATE_METRICS)
+        self.ledger.client_cpu(server_round, "evaluate", valid)
+        scores = self.scores_of(valid)
+        for reply in train_replies:
+            if reply.node_id not in evaluators:
+                continue
+            try:
+                scores[reply.client_id] = fused_evaluation(reply)
+            except ValueError as reason:
+                self.ledger.drop(server_round, "evaluate", reply.node_id, reply.client_id,
+                                 str(reason))
+        self.record_evaluation(server_round, dict(sorted(
+            scores.items(), key=lambda kv: client_order(kv[0]))))
+
+    def _aggregate(self, server_round: int, valid: list[ClientReply]) -> ArrayRecord | None:
+        if not valid:
+            log(WARNING, "round %d: no valid train reply; the shared model is unchanged",
+                server_round)
+            return None
+        updated = self.aggregate_shared(server_round, valid, self.global_arrays)
+        total = sum(r.num_examples for r in valid)
+        loss = sum(float(r.metrics["train-loss"]) * r.num_examples for r in valid) / total
+        self.ledger.record(server_round).train = {"loss": loss, "num_clients": len(valid)}
+        return updated

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.optimize import minimize
 
 from strategies.training import LocalTraining, sgd
 
@@ -28,6 +27,8 @@ def min_norm_weights(gram: np.ndarray) -> np.ndarray:
         diff = gram[0, 0] - 2 * gram[0, 1] + gram[1, 1]
         w = 0.5 if diff <= 0 else float(np.clip((gram[1, 1] - gram[0, 1]) / diff, 0, 1))
         return np.array([w, 1 - w])
+    from scipy.optimize import minimize  # SciPy's optimiser loads slowly: only for T > 2
+
     scale = max(float(np.abs(gram).max()), 1e-12)
     g = gram / scale
     result = minimize(lambda w: w @ g @ w, np.full(n, 1 / n), jac=lambda w: 2 * g @ w,

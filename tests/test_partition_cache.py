@@ -1,0 +1,63 @@
+"""A site's split is computed once and memory-mapped after; a change of data or partition
+settings never reuses a cached split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fldata import load_client_data
+from strategies.registry import load_settings
+from tests.conftest import app_config
+
+
+def _data(cache, num_partitions=5, partition=1, **overrides):
+    settings = load_settings(app_config(**overrides))
+    return load_client_data(settings, partition, num_partitions, cache_dir=cache)
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(getattr(a, k), getattr(b, k))
+               for k in ("x_train", "y_train", "x_test", "y_test"))
+
+
+def test_second_load_maps_the_stored_split(tmp_path):
+    first = _data(tmp_path)
+    stored = list(tmp_path.iterdir())
+    assert len(stored) == 1 and (stored[0] / "complete").exists()
+    again = _data(tmp_path)
+    assert isinstance(again.x_train, np.memmap)
+    assert _same(first, again)
+    assert _same(again, _data(None))  # what the cache holds is what computing gives
+    assert list(tmp_path.iterdir()) == stored
+
+
+@pytest.mark.parametrize(("changed", "num_partitions"), [
+    ({"seed": 7}, 5),
+    ({"dirichlet-alpha": 0.1}, 5),
+    ({}, 6),
+    ({"partitioner": "iid"}, 5),
+    ({"test-fraction": 0.3}, 5),
+    ({"permute-labels": True}, 5),
+])
+def test_changed_settings_never_reuse_a_cached_split(tmp_path, changed, num_partitions):
+    _data(tmp_path)
+    cached = _data(tmp_path, num_partitions, **changed)
+    fresh = _data(None, num_partitions, **changed)
+    assert _same(cached, fresh)
+    assert not _same(cached, _data(tmp_path))
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_changed_source_file_is_a_new_split(tmp_path):
+    pool = tmp_path / "pool.npz"
+    rng = np.random.default_rng(0)
+    np.savez(pool, x=rng.normal(size=(200, 6)).astype(np.float32),
+             y=rng.integers(0, 3, 200))
+    cache = tmp_path / "cache"
+    before = _data(cache, dataset=str(pool))
+    np.savez(pool, x=rng.normal(size=(200, 6)).astype(np.float32),
+             y=rng.integers(0, 3, 200))
+    after = _data(cache, dataset=str(pool))
+    assert _same(after, _data(None, dataset=str(pool)))
+    assert not _same(before, after)
