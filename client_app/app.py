@@ -23,6 +23,7 @@ from common.protocol import (
 )
 from strategies.personalized.evaluation import (
     EVAL_ACCURACY,
+    EVAL_CPU,
     EVAL_EXAMPLES,
     EVAL_LOSS,
     EVALUATE_FIRST,
@@ -68,9 +69,12 @@ def train(msg: Message, context: Context) -> Message:
     evaluation = {}
     if msg.content[CONFIG].get(EVALUATE_FIRST, False):
         # the personalized evaluation of the last round: what this client starts from
+        eval_started = time.process_time()
         eval_loss, eval_accuracy = evaluate(model, client.loader(train=False), client.device)
         evaluation = {EVAL_ACCURACY: eval_accuracy, EVAL_LOSS: eval_loss,
-                      EVAL_EXAMPLES: len(client.data.y_test)}
+                      EVAL_EXAMPLES: len(client.data.y_test),
+                      EVAL_CPU: time.process_time() - eval_started}
+        started += evaluation[EVAL_CPU]  # cpu-seconds: the training part only
         phases.lap("evaluate")
     torch.manual_seed(client.settings.seed * 7919 + server_round * 31 + client.partition_id)
     loss = client.method.local_train(LocalTraining(

@@ -50,6 +50,11 @@ class ResultsRecorder:
     def path(self) -> Path:
         return self.out_dir / "results.json"
 
+    @property
+    def last_round(self) -> int:
+        """The last round written (0: none)."""
+        return self.rounds[-1]["round"] if self.rounds else 0
+
     def start(self) -> None:
         """Start the round clock; write results.json (the rounds restored on resume)."""
         self._t_start = self._t_round = time.monotonic()

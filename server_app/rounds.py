@@ -77,7 +77,7 @@ def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsReco
         if not fused:
             strategy.evaluate_round(grid, server_round, arrays)
             recorder.on_round(server_round)
-        elif server_round > 1:  # this exchange carried the previous round's evaluation
+        elif server_round - 1 > recorder.last_round:  # its evaluation came with this exchange
             recorder.on_round(server_round - 1)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
                         recorder, run_ids)

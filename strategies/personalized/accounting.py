@@ -35,13 +35,15 @@ class RoundLedger:
         finally:
             self.record(server_round).add_cpu("server", time.process_time() - started)
 
-    def client_cpu(self, server_round: int, stage: str, replies: list[ClientReply]) -> None:
-        """The clients' own ``cpu-seconds`` metric, and their ``seconds-<phase>`` wall times,
-        summed per stage (with the number of messages, for means)."""
+    def client_cpu(self, server_round: int, stage: str, replies: list[ClientReply],
+                   cpu_metric: str = "cpu-seconds") -> None:
+        """The clients' own CPU time (their ``cpu_metric``), and their ``seconds-<phase>``
+        wall times (not for fused evaluations: those are the train message's), summed per
+        stage (with the number of messages, for means)."""
         record = self.record(server_round)
         record.add_cpu(f"clients_{stage}",
-                       sum(float(r.metrics.get("cpu-seconds", 0.0)) for r in replies))
-        if not replies:
+                       sum(float(r.metrics.get(cpu_metric, 0.0)) for r in replies))
+        if not replies or cpu_metric != "cpu-seconds":
             return
         phases = record.client_seconds.setdefault(stage, {"messages": 0})
         phases["messages"] += len(replies)

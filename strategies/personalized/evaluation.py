@@ -19,23 +19,27 @@ from dataclasses import asdict
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, MessageType
+from flwr.app import ArrayRecord, Message, MessageType
 from flwr.common.logger import log
 
-from common.protocol import EVALUATE_METRICS, ClientReply
+from common.protocol import EVALUATE_METRICS, ClientReply, parse_reply
 from common.record import RoundRecord, personalized_stats
 
 EVAL_ACCURACY, EVAL_LOSS, EVAL_EXAMPLES = "eval-accuracy", "eval-loss", "eval-num-examples"
+EVAL_CPU = "eval-cpu-seconds"  # CPU time of the evaluation (``cpu-seconds``: the training)
 EVALUATE_FIRST = "evaluate-first"
 
 
-def fused_evaluation(reply: ClientReply) -> tuple[float, int]:
-    """(accuracy, test examples) a train reply reports for the model it received; raises
-    ``ValueError`` if they are missing or malformed."""
-    accuracy, examples = reply.metrics.get(EVAL_ACCURACY), reply.metrics.get(EVAL_EXAMPLES)
+def fused_evaluation(node_id: int, reply: Message) -> tuple[ClientReply, tuple[float, int]]:
+    """(the reply, (accuracy, test examples)) of a train reply that carries the evaluation of
+    the model it received. Read on its own: a train reply dropped for its arrays still counts
+    for the evaluation. Raises ``ValueError`` if the envelope or the ``eval-*`` metrics are
+    missing or malformed."""
+    checked = parse_reply(node_id, reply, (EVAL_ACCURACY, EVAL_EXAMPLES))
+    accuracy, examples = checked.metrics[EVAL_ACCURACY], checked.metrics[EVAL_EXAMPLES]
     if not isinstance(accuracy, float) or not isinstance(examples, int) or examples <= 0:
         raise ValueError(f"train reply lacks a valid {EVAL_ACCURACY}/{EVAL_EXAMPLES}")
-    return accuracy, examples
+    return checked, (accuracy, examples)
 
 
 class Evaluation:
@@ -77,9 +81,12 @@ class Evaluation:
             self.record_evaluation(server_round, self.scores_of(valid))
 
     def draw_evaluation(self, grid: Any, server_round: int, arrays: ArrayRecord) -> None:
-        """Draw the clients that evaluate round ``server_round`` (``E_r``)."""
-        self.pending_evaluation = self._pick(server_round, arrays, grid,
-                                             self.settings.fraction_evaluate,
+        """Draw the clients that evaluate round ``server_round`` (``E_r``): a
+        ``fraction-evaluate`` share, everyone after the last round."""
+        last = server_round == self.settings.num_server_rounds
+        fraction = 1.0 if last and self.settings.fraction_evaluate > 0 else \
+            self.settings.fraction_evaluate
+        self.pending_evaluation = self._pick(server_round, arrays, grid, fraction,
                                              MessageType.EVALUATE)
 
     # ------------------------------------------------------------------ checkpoint

@@ -47,11 +47,17 @@ from common.protocol import (
     TRAIN_METRICS,
     ArraySpec,
     ClientReply,
+    claimed_client_id,
     client_order,
 )
 from strategies.personalized.accounting import RoundLedger
 from strategies.personalized.admission import Admission
-from strategies.personalized.evaluation import EVALUATE_FIRST, Evaluation, fused_evaluation
+from strategies.personalized.evaluation import (
+    EVAL_CPU,
+    EVALUATE_FIRST,
+    Evaluation,
+    fused_evaluation,
+)
 from strategies.personalized.identity import NodeDirectory, wait_for_nodes
 from strategies.personalized.replies import Exchange, exchange, valid_replies
 from strategies.wire import Masks, WireSpec
@@ -217,8 +223,8 @@ class PersonalizedStrategy(Admission, Evaluation):
                                   TRAIN_METRICS, self.uplink_masks(), arrays=True)
             self.ledger.client_cpu(server_round, "train", valid)
             if evaluators:
-                self._fused_evaluation(previous, valid, parts[MessageType.EVALUATE],
-                                       set(evaluators))
+                self._fused_evaluation(previous, parts[MessageType.TRAIN],
+                                       parts[MessageType.EVALUATE], set(evaluators))
             updated = self._aggregate(server_round, valid)
         if fused:
             with self.ledger.server_cpu(server_round):
@@ -226,21 +232,27 @@ class PersonalizedStrategy(Admission, Evaluation):
                                      arrays if updated is None else updated)
         return updated
 
-    def _fused_evaluation(self, server_round: int, train_replies: list[ClientReply],
-                          batch: Exchange, evaluators: set[int]) -> None:
+    def _fused_evaluation(self, server_round: int, train: Exchange, batch: Exchange,
+                          evaluators: set[int]) -> None:
         """Round ``server_round``'s evaluation from the train replies of this exchange (their
         ``eval-*`` metrics) and from its evaluate replies."""
         valid = self.validate(server_round, "evaluate", batch, EVALUATE_METRICS)
         self.ledger.client_cpu(server_round, "evaluate", valid)
         scores = self.scores_of(valid)
-        for reply in train_replies:
-            if reply.node_id not in evaluators:
+        fused = []
+        for node_id, reply in train.replies:
+            if node_id not in evaluators:
                 continue
             try:
-                scores[reply.client_id] = fused_evaluation(reply)
+                checked, scores_of_reply = fused_evaluation(node_id, reply)
             except ValueError as reason:
-                self.ledger.drop(server_round, "evaluate", reply.node_id, reply.client_id,
-                                 str(reason))
+                self.ledger.drop(server_round, "evaluate", node_id,
+                                 self.nodes.client_of(node_id) or claimed_client_id(reply)
+                                 or "?", str(reason))
+                continue
+            scores[checked.client_id] = scores_of_reply
+            fused.append(checked)
+        self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
         self.record_evaluation(server_round, dict(sorted(
             scores.items(), key=lambda kv: client_order(kv[0]))))
 
