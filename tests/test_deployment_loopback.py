@@ -89,8 +89,10 @@ def _in_background(deployment: LocalDeployment, config: dict) -> tuple[threading
 def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     out = tmp_path / "out"
     timeout = 60.0
+    # the two-exchange protocol: "round k written" then means site-2's round-k state was
+    # evaluated, which the assertions below compare with its state after the restart
     config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 2,
-              "round-timeout": timeout, "output-dir": str(out)}
+              "round-timeout": timeout, "output-dir": str(out), "fused-evaluation": False}
     with LocalDeployment(3, home=tmp_path / "home") as deployment:
         runner, result = _in_background(deployment, config)
         _wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
