@@ -9,8 +9,12 @@ with every process it started, on exit.
     with LocalFederation() as federation:
         completed = federation.run(".", {"method": "fedper"}, num_supernodes=4)
 
+``ray_address`` (``--ray-address``) attaches the simulation's Ray backend to a Ray cluster that
+is already running instead of letting it start a private Ray instance: the SuperLink, and the
+``flwr-simulation`` process it starts, get ``RAY_ADDRESS`` (docs/scaling.md).
+
 Command line (used by scripts/demo.sh):  python -m common.local_federation [--supernodes N]
-[--cpus-per-client C] [--gpus-per-client G] [key=value ...]
+[--cpus-per-client C] [--gpus-per-client G] [--ray-address HOST:PORT] [key=value ...]
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class FlowerRun:
 class LocalFederation:
     """A private simulation SuperLink for ``flwr run`` (context manager)."""
 
-    def __init__(self, home: str | Path | None = None) -> None:
+    def __init__(self, home: str | Path | None = None, ray_address: str | None = None) -> None:
+        self.ray_address = ray_address
         self._tmp = tempfile.TemporaryDirectory(prefix="flwr-home-") if home is None else None
         self.home = Path(home or self._tmp.name)
         self.http_port, self.control_port = free_port(), free_port()
@@ -71,7 +76,10 @@ class LocalFederation:
     @property
     def env(self) -> dict[str, str]:
         bin_dir = str(Path(sys.executable).parent)
-        return {**os.environ,
+        # Ray's own variable: ray.init() in flwr-simulation, called without an address, joins
+        # the cluster it names (Flower 1.41 has no backend option for the address).
+        ray_env = {"RAY_ADDRESS": self.ray_address} if self.ray_address is not None else {}
+        return {**os.environ, **ray_env,
                 "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                 "FLWR_HOME": str(self.home),
                 "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(self.http_port),
@@ -191,13 +199,16 @@ def main() -> None:
     parser.add_argument("--supernodes", type=int, default=10)
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0)
+    parser.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                        help="run the clients on this running Ray cluster (its GCS address, "
+                             "as `ray start --head` prints it); see docs/scaling.md")
     parser.add_argument("overrides", nargs="*", help="run-config overrides as key=value (TOML)")
     args = parser.parse_args()
     import tomllib
 
     run_config = tomllib.loads("\n".join(
         f'"{k}" = {v}' for k, v in (item.split("=", 1) for item in args.overrides)))
-    with LocalFederation() as federation:
+    with LocalFederation(ray_address=args.ray_address) as federation:
         run = federation.run(args.app, run_config, num_supernodes=args.supernodes,
                              cpus_per_client=args.cpus_per_client,
                              gpus_per_client=args.gpus_per_client, echo=True)
