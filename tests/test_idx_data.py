@@ -9,10 +9,20 @@ import gzip
 import struct
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 
-from fldata.idx import SPLITS, IdxError, read_idx, read_idx_split
+from common.config import RunSettings
+from fldata import (
+    dataset_shape,
+    default_model,
+    is_local_path,
+    load_client_data,
+)
+from fldata.idx import SPLITS, IdxError, holds_idx, read_idx, read_idx_split
+from fldata.sources import arrays_from_hf, idx_pool
+from tests.conftest import app_config
 
 TYPE_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(np.int16): 0x0B,
               np.dtype(np.int32): 0x0C, np.dtype(np.float32): 0x0D,
@@ -130,3 +140,38 @@ def test_labels_that_do_not_match_the_images_name_the_labels_file(tmp_path):
     write_idx(directory / "train-images-idx3-ubyte", np.zeros((200, 784), dtype=np.uint8))
     with pytest.raises(IdxError, match=r"train-images-idx3-ubyte: expected images \(N, H, W\)"):
         read_idx_split(directory)
+
+
+# ---------------------------------------------------------------- the pool
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_pool_is_the_train_split_normalised_like_the_hub(tmp_path, gz):
+    """Same values, shape and dtypes as ``arrays_from_hf`` gives for the same images as a
+    hub dataset (PIL images in an ``Image`` column), which is what the hub path returns."""
+    directory = write_dataset(tmp_path / "d", gz)
+    x, y = idx_pool(directory)
+    images, labels = fixture_arrays(200)
+    hub = datasets.Dataset.from_dict(
+        {"image": list(images), "label": labels.tolist()},
+        features=datasets.Features(image=datasets.Image(),
+                                   label=datasets.ClassLabel(num_classes=10)))
+    hub_x, hub_y = arrays_from_hf(hub)
+    assert x.shape == (200, 1, 28, 28) and x.dtype == np.float32 and y.dtype == np.int64
+    np.testing.assert_array_equal(x, hub_x)
+    np.testing.assert_array_equal(y, hub_y)
+    assert x.min() == -1.0 and x.max() == 1.0
+
+
+def test_a_directory_of_idx_files_is_a_local_dataset(tmp_path):
+    directory = write_dataset(tmp_path / "my-idx", gz=True)
+    assert is_local_path(str(directory)) and holds_idx(directory)
+    settings = RunSettings.from_run_config(app_config(dataset=str(directory)))
+    assert dataset_shape(settings) == ((1, 28, 28), 10)
+    assert default_model(settings) == "cnn"
+    x_pool, _ = idx_pool(directory)
+    seen = []
+    for pid in range(4):
+        data = load_client_data(settings, pid, 4)
+        assert data.x_train.shape[1:] == (1, 28, 28) and len(data.x_test) > 0
+        seen += rows(data.x_train) + rows(data.x_test)
+    assert sorted(seen) == rows(x_pool), "the clients' examples are not the train split"
