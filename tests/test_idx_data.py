@@ -14,6 +14,7 @@ import datasets
 import numpy as np
 import pytest
 
+from bench.data import ensure_dataset
 from common.config import ConfigError, RunSettings
 from fldata import (
     DATASETS,
@@ -319,6 +320,25 @@ def test_corrupt_local_copy_names_the_file_when_loading(isolated_search, tmp_pat
                                                       **{"data-root": str(root)}))
     with pytest.raises(IdxError, match=f"^{bad}: truncated"):
         load_client_data(settings, 0, 2)
+
+
+# ---------------------------------------------------------------- the benchmark helper
+
+def test_bench_helper_finds_a_copy_and_says_what_to_do_without_one(isolated_search, tmp_path,
+                                                                   capsys):
+    root = tmp_path / "data"
+    write_dataset(root / "fashion-mnist", gz=True)
+    assert ensure_dataset("fashion-mnist", str(root), install=False) == root / "fashion-mnist"
+    assert ensure_dataset("fashion-mnist", str(tmp_path / "none"), install=False) is None
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and line.startswith("fashion-mnist: not found in ")
+    assert "run: put the four IDX files" in line
+    found = ensure_dataset("fashion-mnist", install=False)
+    if holds_idx(SYSTEM_DIR):
+        assert found == SYSTEM_DIR
+    else:
+        assert found is None
+        assert "run: sudo apt-get install -y dataset-fashion-mnist" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the real files
