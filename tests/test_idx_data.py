@@ -288,7 +288,8 @@ def test_local_copy_holds_the_same_client_examples_as_the_hub_path(
     write_dataset(tmp_path / "idx" / "fashion-mnist", n_train=300)
     monkeypatch.setitem(DATASETS, "fashion-mnist", DatasetInfo(
         (1, 28, 28), 10, "cnn", str(parquet.parent), idx=True))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # datasets read HOME when imported: keep its cache of the Parquet copy out of the real one
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     for partitioner in ("dirichlet", "iid", "pathological"):
         settings = RunSettings.from_run_config(app_config(
             dataset="fashion-mnist", partitioner=partitioner,
