@@ -76,9 +76,10 @@ class PeakMemory(threading.Thread):
 
 def fashion_pool(path: Path) -> Path:
     """A seeded 20,000-image subsample of Fashion-MNIST as a local ``.npz`` pool."""
-    from fldata import load_named_pool
+    from bench.data import ensure_dataset
+    from fldata.sources import load_local
 
-    x, y = load_named_pool("fashion-mnist")
+    x, y = load_local(ensure_dataset("fashion-mnist"))
     keep = np.random.default_rng(0).permutation(len(y))[:POOL_SIZE]
     np.savez(path, x=x[keep], y=y[keep])
     return path
@@ -152,8 +153,8 @@ def main() -> None:
                      f"{r['accuracy']:.4f} ({r['evaluated']}) |")
     ten, hundred = rows.get("fedavg, 10 clients"), rows.get("fedavg, 100 clients")
     if ten and hundred:
-        lines += ["", f"100 vs 10 clients, same data: **{hundred['round_seconds'] / "
-                  f"ten['round_seconds']:.2f}x** seconds per round."]
+        ratio = hundred["round_seconds"] / ten["round_seconds"]
+        lines += ["", f"100 vs 10 clients, same data: **{ratio:.2f}x** seconds per round."]
     command = f"python bench/scale.py --parts {args.parts}"
     write_report("scale", "Many clients on one machine (Fashion-MNIST, 20,000 images)",
                  command, "\n".join(lines) + "\n")

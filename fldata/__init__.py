@@ -1,7 +1,8 @@
 """Data loading and partitioning: one client's train and test split for a run config.
 
 ``load_client_data`` is the single entry point of the ClientApp; ``dataset_shape`` tells the
-ServerApp the input shape and number of classes without loading any data.
+ServerApp the input shape and number of classes without loading any data (for a named
+dataset).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from common.config import ConfigError, KeyGroup, RunSettings, key, one_of
 from fldata.cache import cache_key, cached_split, fingerprint
+from fldata.idx import find_idx_dir, search_dirs
 from fldata.partition import label_permutation, partition_indices, train_test_split
 from fldata.sources import SyntheticFedFac, arrays_from_hf, digits_pool, load_local
 
@@ -27,13 +29,16 @@ class DatasetInfo:
     hub_id: str = ""           # Hugging Face dataset id, loaded through flwr-datasets
     hub_subset: str | None = None
     label_column: str = "label"
+    idx: bool = False          # a local copy in IDX files is used before the hub
+    system_dir: str = ""       # where a system package installs those files
 
 
 DATASETS: dict[str, DatasetInfo] = {
     "digits": DatasetInfo((1, 8, 8), 10, "cnn"),
     "synthetic-fedfac": DatasetInfo((0,), 2, "mlp"),   # (dim,) comes from synthetic.dim
-    "mnist": DatasetInfo((1, 28, 28), 10, "cnn", "ylecun/mnist"),
-    "fashion-mnist": DatasetInfo((1, 28, 28), 10, "cnn", "zalando-datasets/fashion_mnist"),
+    "mnist": DatasetInfo((1, 28, 28), 10, "cnn", "ylecun/mnist", idx=True),
+    "fashion-mnist": DatasetInfo((1, 28, 28), 10, "cnn", "zalando-datasets/fashion_mnist",
+                                 idx=True, system_dir="/usr/share/datasets/fashion-mnist"),
     "cifar10": DatasetInfo((3, 32, 32), 10, "resnet8", "uoft-cs/cifar10"),
     "cifar100": DatasetInfo((3, 32, 32), 100, "resnet9", "uoft-cs/cifar100",
                             label_column="fine_label"),
@@ -100,7 +105,7 @@ def dataset_shape(settings: RunSettings) -> tuple[tuple[int, ...], int]:
         except ValueError:
             raise ConfigError(f"input-shape: {shape!r} is not a comma-separated list of "
                               "integers, e.g. '3,32,32'") from None
-    x, y = load_local(settings.dataset)  # the server can read it: take the facts from it
+    x, y = _pool(settings.dataset)  # the server can read it: take the facts from it
     return tuple(x.shape[1:]), int(y.max()) + 1
 
 
@@ -113,16 +118,59 @@ def default_model(settings: RunSettings) -> str:
     return "mlp" if len(shape) == 1 else "cnn"
 
 
-def _pool(dataset: str) -> tuple[np.ndarray, np.ndarray]:
-    if dataset == "digits":
+def local_copy(settings: RunSettings) -> Path | None:
+    """The directory of IDX files that a named dataset (``mnist``, ``fashion-mnist``) is read
+    from instead of the hub, or None (then it comes from the hub).
+
+    ``data-root`` set: ``<data-root>/<dataset>`` or ``data-root`` itself must hold the four
+    files, else loading fails with one line (no silent download). Empty: the first of
+    ``$PFLOWER_DATA_ROOT/<dataset>``, ``~/.cache/pflower/<dataset>`` and the system
+    package's folder that holds them (``fldata.idx.search_dirs``)."""
+    info = DATASETS.get(settings.dataset)
+    if info is None or not info.idx:
+        return None
+    data_root = settings.data_root
+    found = find_idx_dir(settings.dataset, data_root, info.system_dir)
+    if found is None and data_root:
+        raise ConfigError(f"data-root: no {settings.dataset} IDX files (train-images-idx3-ubyte"
+                          f"[.gz] and the other three) in "
+                          f"{' or '.join(map(str, search_dirs(settings.dataset, data_root)))}")
+    return found
+
+
+def pool_source(settings: RunSettings) -> str | None:
+    """What ``_pool`` loads the run's pool from (``digits``, a local path, a named dataset's
+    local copy), or None for a dataset that comes partitioned from the hub."""
+    if settings.dataset in DATASETS and DATASETS[settings.dataset].hub_id:
+        found = local_copy(settings)
+        return None if found is None else str(found)
+    return settings.dataset
+
+
+def _pool(source: str) -> tuple[np.ndarray, np.ndarray]:
+    if source == "digits":
         return digits_pool()
-    return _local_pool(dataset, json.dumps(fingerprint(dataset)))
+    return _local_pool(source, json.dumps(fingerprint(source)))
 
 
 @lru_cache(maxsize=2)
 def _local_pool(path: str, version: str) -> tuple[np.ndarray, np.ndarray]:
     """A local pool, kept while its files (``version``: their fingerprint) stay the same."""
     return load_local(path)
+
+
+def _checked_pool(settings: RunSettings, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """The pool, checked against what a named dataset promises the server (input shape,
+    number of classes): a local copy of the wrong dataset stops the run with one line."""
+    x, y = _pool(source)
+    info = DATASETS.get(settings.dataset)
+    if info is not None and info.idx and (tuple(x.shape[1:]) != info.input_shape
+                                          or int(y.max()) >= info.num_classes):
+        raise ConfigError(f"dataset: the local copy in {source} holds {len(x)} examples of "
+                          f"shape {tuple(x.shape[1:])} in {int(y.max()) + 1} classes; "
+                          f"{settings.dataset} has shape {info.input_shape} in "
+                          f"{info.num_classes} classes")
+    return x, y
 
 
 def _hub_partition(settings: RunSettings, partition_id: int,
@@ -180,10 +228,10 @@ def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_cl
     elif settings.dataset == "synthetic-fedfac":
         x, y = synthetic_generator(settings).client(
             settings.seed, partition_id, SyntheticSettings.parse(settings.raw).num_samples)
-    elif settings.dataset in DATASETS and DATASETS[settings.dataset].hub_id:
+    elif (source := pool_source(settings)) is None:
         x, y = _hub_partition(settings, partition_id, num_partitions)
     else:
-        x_pool, y_pool = _pool(settings.dataset)
+        x_pool, y_pool = _checked_pool(settings, source)
         idx = partition_indices(y_pool, settings, partition_id, num_partitions)
         x, y = x_pool[idx], y_pool[idx]
     # Split before permuting, so that permute-labels changes the labels and nothing else.

@@ -1,4 +1,4 @@
-"""Where examples come from: bundled, generated, Hugging Face hub, or a local directory.
+"""Where examples come from: bundled, generated, Hugging Face hub, or local files.
 
 Every source yields a pool ``(x, y)``: ``x`` float32 of shape ``(N, *input_shape)``, ``y``
 int64 class ids. Images are scaled to [0, 1] and normalised per channel (mean 0.5, std 0.5).
@@ -15,6 +15,8 @@ import numpy as np
 
 if TYPE_CHECKING:  # the Hugging Face datasets library loads in seconds: only where it is used
     import datasets
+
+from fldata.idx import holds_idx, read_idx_split
 
 
 @dataclass(frozen=True)
@@ -111,20 +113,35 @@ def arrays_from_hf(ds: datasets.Dataset, label_column: str = "label") -> tuple[n
     column = _image_column(ds)
     images = ds.with_format("numpy")[column] if not isinstance(
         ds.features[column], datasets.Image) else np.stack([np.asarray(im) for im in ds[column]])
-    x = np.asarray(images, dtype=np.float32)
+    return normalise_images(images), np.asarray(ds[label_column], dtype=np.int64)
+
+
+def normalise_images(images: np.ndarray) -> np.ndarray:
+    """Grey (N, H, W) or colour (N, H, W, C) pixels, in [0, 255] or [0, 1], as float32
+    (N, C, H, W) normalised as above. Every image source goes through here, so a dataset
+    read from local files matches the same dataset from the hub value for value."""
+    x = np.array(images, dtype=np.float32)  # a copy of our own: the steps below work in place
     if x.max() > 1.0:
-        x = x / 255.0
-    x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
-    y = np.asarray(ds[label_column], dtype=np.int64)
-    return (x - 0.5) / 0.5, y
+        x /= 255.0
+    x -= 0.5
+    x /= 0.5
+    return x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+
+
+def idx_pool(directory: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """The train split of a directory of IDX files (MNIST layout), as (x, y) normalised like
+    the hub's copy of the same dataset: the hub path partitions the train split only."""
+    images, labels = read_idx_split(directory, "train")
+    return normalise_images(images), labels.astype(np.int64)
 
 
 def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray]:
     """A dataset on local disk, for air-gapped devices.
 
-    Either a ``.npz`` file with arrays ``x`` (N, C, H, W) or (N, D) and ``y`` (N,), or a
-    directory written by ``datasets.Dataset.save_to_disk`` (a ``DatasetDict``'s ``train``
-    split is used).
+    Either a ``.npz`` file with arrays ``x`` (N, C, H, W) or (N, D) and ``y`` (N,), a
+    directory holding the four MNIST-layout IDX files (the train split is used, see
+    ``idx_pool``), or a directory written by ``datasets.Dataset.save_to_disk`` (a
+    ``DatasetDict``'s ``train`` split is used).
     """
     path = Path(path)
     if not path.exists():
@@ -132,6 +149,8 @@ def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarra
     if path.suffix == ".npz":
         with np.load(path) as data:
             return data["x"].astype(np.float32), data["y"].astype(np.int64)
+    if holds_idx(path):
+        return idx_pool(path)
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
