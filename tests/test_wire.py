@@ -45,7 +45,7 @@ def server_task() -> None:
 SCENARIOS = [
     *[(m, {}) for m in REGISTRY],
     ("pfedc", {"partitioner": "pathological", "classes-per-client": 2}),
-    ("pfedc", {"partitioner": "pathological", "pfedc.weighting": "uniform", "pfedc.tasks": 3}),
+    ("pfedc", {"partitioner": "pathological", "pfedc.weighting": "counts", "pfedc.tasks": 3}),
     ("factorized-fl", {"factorized-fl.variant": "uvm"}),
     ("fedfac", {"fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
 ]
