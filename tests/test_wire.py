@@ -47,6 +47,7 @@ SCENARIOS = [
     ("pfedc", {"partitioner": "pathological", "classes-per-client": 2}),
     ("pfedc", {"partitioner": "pathological", "pfedc.weighting": "counts", "pfedc.tasks": 3}),
     ("factorized-fl", {"factorized-fl.variant": "uvm"}),
+    ("factorized-fl", {"factorized-fl.variant": "u-paper"}),
     ("fedfac", {"fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
 ]
 
