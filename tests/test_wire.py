@@ -48,6 +48,7 @@ SCENARIOS = [
     ("pfedc", {"partitioner": "pathological", "pfedc.weighting": "counts", "pfedc.tasks": 3}),
     ("factorized-fl", {"factorized-fl.variant": "uvm"}),
     ("factorized-fl", {"factorized-fl.variant": "u-paper"}),
+    ("feddecomp", {"feddecomp.bn-stats": "personal", "feddecomp.weighting": "examples"}),
     ("fedfac", {"fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
 ]
 
