@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -88,6 +89,20 @@ class EpochSnapshots:
 def moved(before: dict, after: dict) -> set[str]:
     """Names whose tensors differ between two parameter snapshots."""
     return {k for k in before if not torch.equal(before[k], after[k])}
+
+
+def moves_per_epoch(client) -> tuple[list[set[str]], set[str]]:
+    """Run ``client``'s local rule once from the initial shared arrays: per epoch the names of
+    the parameters that moved, and the names of all parameters."""
+    from server_app.app import initial_shared_arrays
+    from strategies.training import LocalTraining
+
+    model = client.model(initial_shared_arrays(client.settings))
+    loader = EpochSnapshots(client.loader(True, 1), model)
+    torch.manual_seed(1)
+    client.method.local_train(LocalTraining(model, loader, client.settings, client.device, 1))
+    snapshots = [*loader.snapshots, dict(model.named_parameters())]
+    return [moved(a, b) for a, b in itertools.pairwise(snapshots)], set(snapshots[0])
 
 
 def read_results(out_dir: Path) -> dict[str, Any]:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from flwr.app import Context, RecordDict
 
 from client_app.runtime import Client
-from server_app.app import initial_shared_arrays
-from strategies.training import LocalTraining
-from tests.conftest import EpochSnapshots, app_config, moved
+from tests.conftest import app_config, moves_per_epoch
 
 
 def test_fedrep_trains_the_head_first_then_the_body_with_the_other_frozen():
@@ -18,14 +15,9 @@ def test_fedrep_trains_the_head_first_then_the_body_with_the_other_frozen():
         run_id=1, node_id=0, node_config={"partition-id": 0, "num-partitions": 4},
         state=RecordDict(), run_config=app_config(**{
             "method": "fedrep", "local-epochs": 2, "fedrep.head-epochs": 1})))
-    model = client.model(initial_shared_arrays(client.settings))
-    loader = EpochSnapshots(client.loader(True, 1), model)
-    torch.manual_seed(1)
-    client.method.local_train(LocalTraining(model, loader, client.settings, client.device, 1))
-    start, between = loader.snapshots
-    end = dict(model.named_parameters())
-    head = {k for k in start if k.startswith("head.")}
-    body = {k for k in start if k.startswith("body.")}
-    assert head and body and head | body == set(start)
-    assert moved(start, between) == head
-    assert moved(between, end) == body
+    (first, second), names = moves_per_epoch(client)
+    head = {k for k in names if k.startswith("head.")}
+    body = {k for k in names if k.startswith("body.")}
+    assert head and body and head | body == names
+    assert first == head
+    assert second == body

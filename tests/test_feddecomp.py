@@ -17,7 +17,7 @@ from server_app.app import initial_shared_arrays
 from strategies.feddecomp.server import FedDecompStrategy
 from strategies.registry import build_model, build_wire, load_settings
 from strategies.training import LocalTraining
-from tests.conftest import EpochSnapshots, app_config, moved, read_results
+from tests.conftest import app_config, moves_per_epoch, read_results
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -94,17 +94,12 @@ def test_phase_one_trains_only_tau_then_phase_two_only_sigma(tmp_path):
     """local-epochs 2, lora-epochs 1: in epoch 1 only ``A``, ``B`` move (``sigma``, biases
     and BatchNorm affine frozen); in epoch 2 the reverse."""
     client = _client(tmp_path, **{"local-epochs": 2, "feddecomp.lora-epochs": 1})
-    model = client.model(initial_shared_arrays(client.settings))
-    loader = EpochSnapshots(client.loader(True, 1), model)
-    torch.manual_seed(1)
-    client.method.local_train(LocalTraining(model, loader, client.settings, client.device, 1))
-    start, between = loader.snapshots
-    end = dict(model.named_parameters())
-    tau = {k for k in start if is_personal_key(k)}
-    sigma = set(start) - tau
+    (first, second), names = moves_per_epoch(client)
+    tau = {k for k in names if is_personal_key(k)}
+    sigma = names - tau
     assert tau and any(k.endswith("lora_B") for k in tau) and sigma
-    assert moved(start, between) == tau          # every A and B moved (B from zero), nothing else
-    assert moved(between, end) == sigma          # every sigma, bias and BN affine moved, no tau
+    assert first == tau           # every A and B moved (B from zero), nothing else
+    assert second == sigma        # every sigma, bias and BN affine moved, no tau
 
 
 def test_tau_is_personal_and_survives_rounds(tmp_path):
