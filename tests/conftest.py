@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from common.config import app_defaults
 from common.local_federation import LocalFederation
@@ -66,6 +68,41 @@ def check_results_schema(results: dict[str, Any], method: str, num_rounds: int,
         assert key in final
     assert final["accuracy_weighted"] == results["rounds"][-1]["eval"]["accuracy_weighted"]
     assert final["bytes_up_total"] == sum(r["bytes_up"] for r in results["rounds"])
+
+
+class EpochSnapshots:
+    """A training loader that records the model's parameters each time an epoch starts (a
+    local rule's phases are whole epochs, so this shows what each phase moved)."""
+
+    def __init__(self, loader, model) -> None:
+        self.loader, self.model, self.snapshots = loader, model, []
+
+    def __iter__(self):
+        self.snapshots.append({k: v.detach().clone() for k, v in
+                               self.model.named_parameters()})
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def moved(before: dict, after: dict) -> set[str]:
+    """Names whose tensors differ between two parameter snapshots."""
+    return {k for k in before if not torch.equal(before[k], after[k])}
+
+
+def moves_per_epoch(client) -> tuple[list[set[str]], set[str]]:
+    """Run ``client``'s local rule once from the initial shared arrays: per epoch the names of
+    the parameters that moved, and the names of all parameters."""
+    from server_app.app import initial_shared_arrays
+    from strategies.training import LocalTraining
+
+    model = client.model(initial_shared_arrays(client.settings))
+    loader = EpochSnapshots(client.loader(True, 1), model)
+    torch.manual_seed(1)
+    client.method.local_train(LocalTraining(model, loader, client.settings, client.device, 1))
+    snapshots = [*loader.snapshots, dict(model.named_parameters())]
+    return [moved(a, b) for a, b in itertools.pairwise(snapshots)], set(snapshots[0])
 
 
 def read_results(out_dir: Path) -> dict[str, Any]:

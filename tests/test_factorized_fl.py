@@ -8,14 +8,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from torch import nn
 
 from client_app.runtime import Client
-from models.factorized_fl import FactorizedConv2d, FactorizedLinear, l1_of_mu, matching_key
+from common.protocol import ClientReply
+from models.factorized_fl import (
+    FactorizedConv2d,
+    FactorizedLinear,
+    factorized_layers,
+    matching_key,
+)
 from server_app.app import initial_shared_arrays
-from strategies.factorized_fl.server import matching_weights
-from strategies.registry import build_model, load_settings
+from strategies.factorized_fl.server import FactorizedFLStrategy, matching_weights
+from strategies.factorized_fl.spec import FactorsShared
+from strategies.registry import build_model, build_wire, load_settings
 from strategies.training import LocalTraining
 from tests.conftest import app_config, read_results
 
@@ -55,23 +62,29 @@ def _client(pid: int = 0, **overrides) -> Client:
         state=RecordDict(), run_config=app_config(**{"method": "factorized-fl", **overrides})))
 
 
-def test_l1_term_changes_the_gradient_of_mu():
-    grads = []
-    for l1 in (0.0, 0.1):
-        settings = load_settings(app_config(**{"method": "factorized-fl",
-                                                             "factorized-fl.l1": l1}))
-        model = build_model(settings)
+def test_training_rule_adds_the_l1_penalty_on_mu_with_its_gradient():
+    """One plain SGD step of the method's local rule with and without ``l1``, from the same
+    model and batch: every ``mu`` entry differs by exactly ``-lr * l1 * sign(mu)``, every other
+    parameter not at all."""
+    lr, l1 = 0.1, 0.05
+    after = []
+    for penalty in (0.0, l1):
+        client = _client(**{"factorized-fl.l1": penalty, "lr": lr, "momentum": 0.0,
+                            "batch-size": 10_000, "local-epochs": 1})
+        model = client.model(initial_shared_arrays(client.settings))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".mu"):
-                    p.fill_(0.01)
-        x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
-        loss = nn.functional.cross_entropy(model(x), y) + l1 * l1_of_mu(model)
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if n.endswith(".mu")})
-    for name, grad in grads[1].items():
-        torch.testing.assert_close(grad - grads[0][name], torch.full_like(grad, 0.1))
+                    p.copy_(torch.where(torch.rand_like(p, generator=torch.Generator(
+                    ).manual_seed(0)) < 0.5, -0.01, 0.01))
+        signs = {n: p.detach().sign() for n, p in model.named_parameters()}
+        assert len(client.loader(True, 1)) == 1  # one batch: one step
+        client.method.local_train(LocalTraining(model, client.loader(True, 1),
+                                                client.settings, client.device, 1))
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for name, value in after[1].items():
+        expected = -lr * l1 * signs[name] if name.endswith(".mu") else torch.zeros_like(value)
+        torch.testing.assert_close(value - after[0][name], expected, rtol=0, atol=1e-6)
 
 
 def test_matching_weights_sum_to_one_respect_tau_self_and_order():
@@ -93,20 +106,32 @@ def test_matching_weights_sum_to_one_respect_tau_self_and_order():
     np.testing.assert_allclose(weights2, weights)
 
 
-@pytest.mark.parametrize("variant", ["u", "uvm"])
+@pytest.mark.parametrize("variant", ["u", "u-paper", "uvm"])
 def test_uplink_keys(variant):
     client = _client(**{"factorized-fl.variant": variant})
     model = client.model(initial_shared_arrays(client.settings))
     sent = set(client.shared_arrays(model, ArrayRecord()))
+    received = set(initial_shared_arrays(client.settings))
     match = matching_key(model)
+    assert sent == received | {match}
     assert match in sent and not any(k.startswith("head.") for k in sent)
     assert not any("running_" in k for k in sent)
     factors = {k.rsplit(".", 1)[-1] for k in sent if k.endswith((".u", ".v", ".mu"))}
-    if variant == "u":
+    every_u = {f"{layer}.u" for layer in factorized_layers(model)}
+    bn_affine = {f"{name}.{p}" for name, m in model.named_modules()
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in ("weight", "bias")}
+    body_bias = {f"{layer}.bias" for layer in factorized_layers(model)
+                 if getattr(model.get_submodule(layer), "bias", None) is not None}
+    assert bn_affine and body_bias
+    if variant == "u-paper":  # the paper's set: only u (plus the matching vector up)
+        assert sent == every_u | {match}
+    elif variant == "u":      # the authors' code: u, body biases and BatchNorm affine
         assert factors == {"u", "v"}
         assert [k for k in sent if k.endswith(".v")] == [match]
+        assert sent == every_u | bn_affine | body_bias | {match}
     else:
         assert factors == {"u", "v", "mu"}
+        assert bn_affine | body_bias <= sent
 
 
 def test_matching_vector_stays_personal_in_variant_u():
@@ -120,6 +145,51 @@ def test_matching_vector_stays_personal_in_variant_u():
     client.keep_personal(model, received, client.shared_arrays(model, received))
     torch.testing.assert_close(client.model(received).state_dict()[matching_key(model)],
                                model.state_dict()[matching_key(model)])
+
+
+def _upload(settings, client_id: str, rng: np.random.Generator, examples: int) -> ClientReply:
+    spec = FactorsShared(build_model(settings), settings).uplink_spec({}, None)
+    arrays = ArrayRecord({k: Array(rng.normal(size=shape).astype(dtype))
+                          for k, (shape, dtype) in spec.items()})
+    return ClientReply(int(client_id), client_id, arrays,
+                       MetricRecord({"num-examples": examples}), ConfigRecord({}))
+
+
+def test_each_downlink_is_its_similarity_weighted_sum_of_the_latest_uploads():
+    """Round 1: four clients upload; round 2: only clients 0 and 2. Client ``k``'s downlink
+    is ``sum_i w_ki x_i`` over every known client's latest upload ``x_i``, with
+    ``w_ki = exp(eps s_ki) / sum_j exp(eps s_kj)`` over ``s_ki >= tau`` (itself included),
+    ``s`` the cosine similarity of the matching vectors."""
+    tau, eps = 0.0, 3.0
+    settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": tau,
+                                           "factorized-fl.epsilon": eps}))
+    arrays = initial_shared_arrays(settings)
+    strategy = FactorizedFLStrategy(settings, arrays, build_wire(settings))
+    match = strategy.match_key
+    rng = np.random.default_rng(0)
+    latest, excluded = {}, 0
+    for server_round, present in ((1, "0123"), (2, "02")):
+        replies = [_upload(settings, c, rng, 10 + int(c)) for c in present]
+        latest.update({r.client_id: {k: v.numpy() for k, v in r.arrays.items()}
+                       for r in replies})
+        strategy.aggregate_shared(server_round, replies, arrays)
+        ids = sorted(latest)
+        vectors = np.stack([latest[c][match].ravel() for c in ids])
+        unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+        similarity = unit @ unit.T
+        for row, client in enumerate(ids):
+            allowed = (similarity[row] >= tau) | (np.arange(len(ids)) == row)
+            logits = np.where(allowed, eps * np.where(np.arange(len(ids)) == row, 1.0,
+                                                      similarity[row]), -np.inf)
+            weights = np.exp(logits) / np.exp(logits).sum()
+            excluded += int((~allowed).sum())
+            down = strategy.downlink(server_round + 1, client, arrays)
+            assert set(down) == set(arrays)  # the shared keys; the matching vector stays up
+            for key in arrays:
+                expected = sum(w * latest[other][key] for w, other in zip(weights, ids,
+                                                                          strict=True))
+                np.testing.assert_allclose(down[key].numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert excluded > 0  # tau took some clients out of some rows
 
 
 @pytest.mark.integration

@@ -2,49 +2,56 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from torch import nn
 from torch.nn import functional as F
 
 from client_app.runtime import Client
 from common.config import ConfigError
+from common.protocol import ClientReply
 from models.feddecomp import DecomposedConv2d, DecomposedLinear, is_personal_key
 from server_app.app import initial_shared_arrays
-from strategies.registry import load_settings
+from strategies.feddecomp.server import FedDecompStrategy
+from strategies.registry import build_model, build_wire, load_settings
 from strategies.training import LocalTraining
-from tests.conftest import app_config, read_results
+from tests.conftest import app_config, moves_per_epoch, read_results
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
-def test_decomposed_linear_equals_base_at_init_then_adds_b_a():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_decomposed_linear_equals_base_at_init_then_adds_b_a(scaled):
+    """``tau = (B A)^T``, times ``1/r`` with ``feddecomp.tau-scale = "inverse-rank"``."""
     torch.manual_seed(0)
     base = nn.Linear(6, 4)
-    layer = DecomposedLinear(base, ratio=0.5)
+    layer = DecomposedLinear(base, ratio=0.5, scaled=scaled)
     assert layer.lora_B.shape == (6, 2) and layer.lora_A.shape == (2, 4)  # B: I x r, A: r x O
     x = torch.randn(5, 6)
     torch.testing.assert_close(layer(x), base(x), rtol=0, atol=0)
     with torch.no_grad():
         layer.lora_B.normal_()
         layer.weight.add_(0.1)
-    expected = F.linear(x, layer.weight + (layer.lora_B @ layer.lora_A).T, layer.bias)
+    factor = 1 / 2 if scaled else 1.0
+    expected = F.linear(x, layer.weight + factor * (layer.lora_B @ layer.lora_A).T, layer.bias)
     torch.testing.assert_close(layer(x), expected)
     assert not torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-def test_decomposed_conv_equals_base_at_init_then_adds_b_a_on_the_kernel_reshape():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_decomposed_conv_equals_base_at_init_then_adds_b_a_on_the_kernel_reshape(scaled):
     torch.manual_seed(0)
     base = nn.Conv2d(3, 4, 3, padding=1)
-    layer = DecomposedConv2d(base, ratio=0.5)
+    layer = DecomposedConv2d(base, ratio=0.5, scaled=scaled)
     r = round(0.5 * 3 * 3)
     assert layer.lora_B.shape == (3 * 3, r) and layer.lora_A.shape == (r, 4 * 3)
     x = torch.randn(2, 3, 8, 8)
     torch.testing.assert_close(layer(x), base(x), rtol=0, atol=0)
     with torch.no_grad():
         layer.lora_B.normal_()
-    product = layer.lora_B @ layer.lora_A            # (I*K) x (O*K)
+    product = (layer.lora_B @ layer.lora_A) / (r if scaled else 1)  # (I*K) x (O*K)
     tau = torch.empty(4, 3, 3, 3)
     for o in range(4):
         for i in range(3):
@@ -53,6 +60,18 @@ def test_decomposed_conv_equals_base_at_init_then_adds_b_a_on_the_kernel_reshape
                     tau[o, i, kr, kc] = product[i * 3 + kr, o * 3 + kc]
     torch.testing.assert_close(layer.tau(), tau)
     torch.testing.assert_close(layer(x), F.conv2d(x, layer.weight + tau, layer.bias, padding=1))
+
+
+@pytest.mark.parametrize(("tau_scale", "inverse_rank"), [("inverse-rank", True),
+                                                         ("none", False)])
+def test_the_run_model_scales_tau_by_one_over_rank_by_default(tau_scale, inverse_rank):
+    overrides = {} if inverse_rank else {"feddecomp.tau-scale": tau_scale}
+    settings = load_settings(app_config(method="feddecomp", **overrides))
+    assert settings.method_settings.tau_scale == tau_scale
+    layers = [m for m in build_model(settings).modules()
+              if isinstance(m, DecomposedLinear | DecomposedConv2d)]
+    assert layers and all(m.scale == (1 / m.rank if inverse_rank else 1.0) for m in layers)
+    assert any(m.rank > 1 for m in layers)
 
 
 def _client(tmp_path, pid=0, **overrides) -> Client:
@@ -71,20 +90,16 @@ def _train(client: Client, received: ArrayRecord, server_round: int = 1):
     return model
 
 
-@pytest.mark.parametrize(("lora_epochs", "changes"), [(1, "tau"), (0, "sigma")])
-def test_each_phase_changes_only_its_parameters(tmp_path, lora_epochs, changes):
-    client = _client(tmp_path, **{"feddecomp.lora-epochs": lora_epochs})
-    received = initial_shared_arrays(client.settings)
-    before = {k: v.clone() for k, v in client.model(received).named_parameters()}
-    after = dict(_train(client, received).named_parameters())
-    for name, value in after.items():
-        moved = not torch.equal(before[name], value)
-        if is_personal_key(name):
-            assert moved == (changes == "tau"), name
-        else:
-            assert moved == (changes == "sigma"), name
-    lora_b = [v for k, v in after.items() if k.endswith("lora_B")]
-    assert any(v.abs().sum() > 0 for v in lora_b) == (changes == "tau")
+def test_phase_one_trains_only_tau_then_phase_two_only_sigma(tmp_path):
+    """local-epochs 2, lora-epochs 1: in epoch 1 only ``A``, ``B`` move (``sigma``, biases
+    and BatchNorm affine frozen); in epoch 2 the reverse."""
+    client = _client(tmp_path, **{"local-epochs": 2, "feddecomp.lora-epochs": 1})
+    (first, second), names = moves_per_epoch(client)
+    tau = {k for k in names if is_personal_key(k)}
+    sigma = names - tau
+    assert tau and any(k.endswith("lora_B") for k in tau) and sigma
+    assert first == tau           # every A and B moved (B from zero), nothing else
+    assert second == sigma        # every sigma, bias and BN affine moved, no tau
 
 
 def test_tau_is_personal_and_survives_rounds(tmp_path):
@@ -98,6 +113,25 @@ def test_tau_is_personal_and_survives_rounds(tmp_path):
     next_round = client.model(received)  # the server's sigma, this client's own tau
     for key, value in tau.items():
         torch.testing.assert_close(next_round.state_dict()[key], value)
+
+
+@pytest.mark.parametrize("bn_stats", ["shared", "personal"])
+def test_batchnorm_statistics_shared_by_default_personal_as_the_option(tmp_path, bn_stats):
+    overrides = {} if bn_stats == "shared" else {"feddecomp.bn-stats": bn_stats}
+    client = _client(tmp_path, **overrides)
+    received = initial_shared_arrays(client.settings)
+    stats = [k for k in client.method.build_model(client.settings).state_dict()
+             if "running_" in k]
+    assert stats and (set(stats) <= set(received)) == (bn_stats == "shared")
+    assert not set(stats) & set(received) or bn_stats == "shared"
+    model = _train(client, received)
+    sent = client.shared_arrays(model, received)
+    assert (set(stats) <= set(sent)) == (bn_stats == "shared")
+    client.keep_personal(model, received, sent)
+    next_round = client.model(received).state_dict()
+    for key in stats:  # personal: this client's own statistics come back, not the initial ones
+        kept = torch.equal(next_round[key], model.state_dict()[key])
+        assert kept == (bn_stats == "personal"), key
 
 
 def test_lora_epochs_zero_reproduces_fedavg(tmp_path):
@@ -114,6 +148,28 @@ def test_lora_epochs_zero_reproduces_fedavg(tmp_path):
     for key in shared_avg:
         torch.testing.assert_close(shared_dec[key].numpy(), shared_avg[key].numpy(),
                                    rtol=1e-6, atol=1e-6)
+
+
+def _reply(client_id: str, value: float, examples: int) -> ClientReply:
+    arrays = ArrayRecord({"body.0.weight": Array(np.full((2, 3), value, np.float32)),
+                          "body.1.running_mean": Array(np.full(2, value, np.float32))})
+    return ClientReply(int(client_id), client_id, arrays,
+                       MetricRecord({"num-examples": examples}), ConfigRecord({}))
+
+
+@pytest.mark.parametrize(("weighting", "expected"), [("uniform", (1.0 + 5.0) / 2),
+                                                     ("examples", (1.0 * 1 + 5.0 * 3) / 4)])
+def test_server_mean_is_uniform_over_clients_by_default(weighting, expected):
+    overrides = {} if weighting == "uniform" else {"feddecomp.weighting": weighting}
+    settings = load_settings(app_config(method="feddecomp", **overrides))
+    assert settings.method_settings.weighting == weighting
+    strategy = FedDecompStrategy(settings, initial_shared_arrays(settings),
+                                 build_wire(settings))
+    replies = [_reply("0", 1.0, 1), _reply("1", 5.0, 3)]
+    merged = strategy.aggregate_shared(1, replies, ArrayRecord())
+    for key in ("body.0.weight", "body.1.running_mean"):
+        np.testing.assert_allclose(merged[key].numpy(), expected)
+        assert merged[key].numpy().dtype == np.float32
 
 
 def test_config_checks():

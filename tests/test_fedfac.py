@@ -3,27 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
 from client_app.runtime import Client
 from common.config import ConfigError
-from common.protocol import ClientReply
+from common.protocol import ARRAYS, METRICS, ClientReply
 from models.fedfac import analysed_layers, element_keys
 from server_app.app import initial_shared_arrays
+from strategies.fedfac import client as fedfac_client
 from strategies.fedfac.server import (
     FedFacStrategy,
     factor_count,
     principal_axis_loadings,
     shared_elements,
 )
-from strategies.fedfac.spec import MASK_PREFIX
+from strategies.fedfac.spec import MASK_PREFIX, MEMBER_PREFIX
 from strategies.personalized import PersonalizedStrategy
 from strategies.registry import build_model, build_wire, load_settings
-from strategies.training import LocalTraining
+from strategies.training import LocalTraining, evaluate
 from tests.conftest import app_config, read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,11 +77,29 @@ def _sampled_weights(num_clients: int = 8, fan_in: int = 60) -> list[np.ndarray]
     return weights
 
 
-@pytest.mark.parametrize(("quantile", "expected"), [(0.5, 8), (0.75, 4), (0.25, 12)])
-def test_quantile_threshold_gives_the_shared_fraction(quantile, expected):
-    mask, nu, _ = shared_elements(_sampled_weights(), kappa=0.5, tau_quantile=quantile)
-    assert mask.sum() == expected
-    assert nu[mask].min() >= nu[~mask].max()
+GRADED = np.random.default_rng(2).permutation(np.linspace(0.05, 0.9, 12))
+
+
+def _graded_weights(num_clients: int = 8, fan_in: int = 400) -> list[np.ndarray]:
+    """One common factor; element ``j`` has true communality ``GRADED[j]`` (shuffled)."""
+    rng = np.random.default_rng(1)
+    weights = []
+    for _ in range(num_clients):
+        factor = rng.normal(size=(fan_in, 1))
+        noise = rng.normal(size=(fan_in, len(GRADED))) * np.sqrt(1 - GRADED)
+        weights.append((factor * np.sqrt(GRADED) + noise).T)
+    return weights
+
+
+@pytest.mark.parametrize(("quantile", "num_shared"), [(0.25, 9), (0.5, 6), (0.75, 3)])
+def test_quantile_threshold_shares_the_elements_of_highest_true_communality(quantile,
+                                                                           num_shared):
+    """Against the generating model, not the function's own output: the shared elements are
+    exactly the ``num_shared`` elements whose true communality is highest."""
+    mask, nu, factors = shared_elements(_graded_weights(), kappa=0.2, tau_quantile=quantile)
+    assert factors == 1
+    np.testing.assert_allclose(nu, GRADED, atol=0.05)
+    assert set(np.flatnonzero(mask)) == set(np.argsort(GRADED)[::-1][:num_shared])
 
 
 def test_sampled_weights_recover_the_shared_elements():
@@ -91,6 +111,69 @@ def test_sampled_weights_recover_the_shared_elements():
 def test_quantile_above_one_is_personal_below_zero_is_shared():
     assert not shared_elements(_sampled_weights(), 0.85, 1.5)[0].any()
     assert shared_elements(_sampled_weights(), 0.85, -0.5)[0].all()
+
+
+def _mlp_strategy(**overrides) -> FedFacStrategy:
+    """FedFac on a 60-input, 16-unit MLP layer (``body.1``)."""
+    settings = load_settings(app_config(**{
+        "method": "fedfac", "dataset": "synthetic-fedfac", "model": "mlp", "mlp-hidden": 16,
+        "synthetic.dim": 60, "synthetic.hidden": 16, "fedfac.kappa": 0.25,
+        "fedfac.tau-quantile": 10 / 16, **overrides}))
+    return FedFacStrategy(settings, initial_shared_arrays(settings), build_wire(settings))
+
+
+def _replies_around(arrays: ArrayRecord, layer_weights: list[np.ndarray]) -> list[ClientReply]:
+    replies = []
+    for client, weight in enumerate(layer_weights):
+        record = dict(arrays.items())
+        record["body.1.weight"] = Array(weight.astype(np.float32))
+        replies.append(ClientReply(client, str(client), ArrayRecord(record),
+                                   MetricRecord({"num-examples": 10 + client}),
+                                   ConfigRecord({})))
+    return replies
+
+
+@pytest.mark.parametrize("analysis", ["updates", "weights"])
+def test_split_from_updates_finds_the_shared_elements_weights_find_the_initialisation(
+        analysis):
+    """Clients start from one initialisation ``W0`` and move by small updates whose first 6
+    elements follow common factors. On updates (default) the split finds those 6; on weights
+    it is the split of ``W0`` alone, whatever the updates are."""
+    strategy = _mlp_strategy(**({} if analysis == "updates" else {"fedfac.analysis": analysis}))
+    arrays = strategy.global_arrays
+    start = arrays["body.1.weight"].numpy()
+    updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
+    strategy.aggregate_shared(1, _replies_around(arrays, [start + d for d in updates]), arrays)
+    split = strategy.split["body.1"]
+    of_start = shared_elements([start] * 8, 0.25, 10 / 16)[0]
+    if analysis == "updates":
+        assert set(np.flatnonzero(split)) == set(range(6))
+    else:
+        np.testing.assert_array_equal(split, of_start)
+        assert set(np.flatnonzero(split)) != set(range(6))
+
+
+def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates():
+    strategy = _mlp_strategy(**{"fedfac.warmup-rounds": 2})
+    arrays = strategy.global_arrays
+    rng = np.random.default_rng(3)
+    for server_round in (1, 2):
+        strategy.begin_round(server_round)
+        replies = _replies_around(arrays, [arrays["body.1.weight"].numpy() + rng.normal(
+            size=(16, 60)) for _ in range(4)])
+        assert strategy.uplink_masks() is None
+        new = strategy.aggregate_shared(server_round, replies, arrays)
+        assert strategy.split is None and strategy.downlink(server_round, "0", new) is new
+        total = sum(r.num_examples for r in replies)
+        np.testing.assert_allclose(new["body.1.weight"].numpy(), sum(
+            r.arrays["body.1.weight"].numpy() * r.num_examples / total for r in replies),
+            rtol=1e-5, atol=1e-6)
+        arrays = new
+    start = arrays["body.1.weight"].numpy()
+    updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
+    strategy.begin_round(3)
+    strategy.aggregate_shared(3, _replies_around(arrays, [start + d for d in updates]), arrays)
+    assert set(np.flatnonzero(strategy.split["body.1"])) == set(range(6))
 
 
 def test_layer_selection_and_element_keys():
@@ -166,6 +249,88 @@ def test_whole_layer_personal_sends_no_rows():
     assert not strategy.split["body.0"].any()
     down = strategy.downlink(2, "0", initial)
     assert down["body.0.weight"].shape[0] == 0
+
+
+def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
+    """LocalTrain: the new client takes the shared part and trains only the personal rows of
+    the analysed layers; shared rows and every other parameter stay as received, and the
+    accuracy it reports is that model's."""
+    client = _client(3, **{"local-epochs": 1})
+    initial = initial_shared_arrays(client.settings)
+    strategy = FedFacStrategy(client.settings, initial, client.wire)
+    strategy.split = {"body.0": np.arange(32) % 4 == 0}
+    down = strategy.downlink(0, None, initial)
+    scored = []
+
+    def spy(model, loader, device):
+        scored.append(model)
+        return evaluate(model, loader, device)
+
+    monkeypatch.setattr(fedfac_client, "evaluate", spy)
+    reply = fedfac_client.local_train_personal_rows(
+        client, SimpleNamespace(content=RecordDict({ARRAYS: down})))
+    (model,) = scored
+    start = dict(_fresh(client).named_parameters())
+    shared = torch.from_numpy(strategy.split["body.0"])
+    element_keys_of = set(client.wire.layer_of_key)
+    for name, value in model.named_parameters():
+        value = value.detach().cpu()
+        if name in element_keys_of:
+            torch.testing.assert_close(value[shared], start[name].detach()[shared])
+            assert not torch.equal(value[~shared], start[name].detach()[~shared]), name
+        else:
+            torch.testing.assert_close(value, start[name].detach(), rtol=0, atol=0)
+    assert reply[METRICS]["accuracy"] == evaluate(model, client.loader(False), client.device)[1]
+
+
+def _fresh(client: Client) -> torch.nn.Module:
+    """The model a new client starts from (the seeded initialisation; its shared rows equal
+    the server's initial arrays)."""
+    return client.method.build_model(client.settings)
+
+
+def _accuracy(predict, client: Client) -> float:
+    correct = count = 0
+    with torch.no_grad():
+        for x, y in client.loader(False):
+            correct += int((predict(x).argmax(1) == y).sum())
+            count += len(y)
+    return correct / count
+
+
+def test_new_client_ensemble_averages_the_members_softmax():
+    """Ensemble: the new client's accuracy is that of the mean softmax of the members'
+    personalized models; the mean of their logits, one member alone and the shared model
+    alone each score differently on this client, so none of them passes for it."""
+    client = _client(3)
+    trainer = _client(0, **{"local-epochs": 2})
+    trained = trainer.model(initial_shared_arrays(trainer.settings))
+    torch.manual_seed(0)
+    trainer.method.local_train(LocalTraining(trained, trainer.loader(True, 1), trainer.settings,
+                                             trainer.device, 1))
+    shared = trained.state_dict()
+    base = ArrayRecord({k: Array(shared[k].numpy()) for k in client.wire.shared_keys})
+    generator = torch.Generator().manual_seed(0)
+    members, models = {}, []
+    for i in range(3):
+        state = dict(shared)
+        for key in client.wire.always_personal:
+            if key.endswith(("weight", "bias")):
+                state[key] = state[key] + torch.randn(state[key].shape, generator=generator)
+            members[f"{MEMBER_PREFIX}{i}.{key}"] = Array(state[key].numpy())
+        model = _fresh(client)
+        model.load_state_dict(state)
+        models.append(model.eval())
+    reply = fedfac_client.ensemble_accuracy(client, SimpleNamespace(
+        content=RecordDict({ARRAYS: ArrayRecord({**dict(base.items()), **members})})))
+    softmax = _accuracy(lambda x: torch.stack([m(x).softmax(1) for m in models]).mean(0),
+                        client)
+    assert reply[METRICS]["accuracy"] == pytest.approx(softmax)
+    alone = _fresh(client)
+    alone.load_state_dict(shared)
+    alternatives = [_accuracy(lambda x: torch.stack([m(x) for m in models]).mean(0), client),
+                    _accuracy(models[0], client), _accuracy(alone.eval(), client)]
+    assert all(a != pytest.approx(softmax) for a in alternatives), (softmax, alternatives)
 
 
 @pytest.mark.integration

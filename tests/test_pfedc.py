@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, Context, MetricRecord, RecordDict
 
 from client_app.runtime import Client
-from models.pfedc import BranchHead, task_groups
+from common.protocol import ClientReply
+from models.pfedc import BranchHead, branch_of_key, task_groups
 from server_app.app import initial_shared_arrays
 from strategies.pfedc.client import mgda_ub_weights, min_norm_weights
 from strategies.pfedc.server import PFedCStrategy, masked_branch_average
@@ -56,22 +57,40 @@ def test_branch_head_computes_each_branch_on_its_own(tasks):
         torch.testing.assert_close(scores[:, group], own)
 
 
-def test_masked_aggregation_equals_eq7_on_hand_made_inputs():
-    keys = {0: ["head.branches.0.weight"], 1: ["head.branches.1.weight"],
-            2: ["head.branches.2.weight"]}
-    branches = {"a": {"head.branches.0.weight": np.array([1.0]),
-                      "head.branches.1.weight": np.array([10.0])},
-                "b": {"head.branches.0.weight": np.array([3.0]),
-                      "head.branches.2.weight": np.array([7.0])},
-                "c": {"head.branches.1.weight": np.array([20.0])}}
-    weights = {"a": [1.0, 3.0, 0.0], "b": [3.0, 0.0, 2.0], "c": [0.0, 1.0, 0.0]}
-    averaged = masked_branch_average(branches, weights, keys)
+HAND_KEYS = {0: ["head.branches.0.weight"], 1: ["head.branches.1.weight"],
+             2: ["head.branches.2.weight"]}
+HAND_BRANCHES = {"a": {"head.branches.0.weight": np.array([1.0]),
+                       "head.branches.1.weight": np.array([10.0])},
+                 "b": {"head.branches.0.weight": np.array([3.0]),
+                       "head.branches.2.weight": np.array([7.0])},
+                 "c": {"head.branches.1.weight": np.array([20.0])}}
+
+
+def test_eq7_is_the_plain_mean_over_the_holders_of_each_branch():
+    """Eq. 7 (the default, ``uniform``): presence vectors; each holder counts once."""
+    presence = {"a": [1.0, 1.0, 0.0], "b": [1.0, 0.0, 1.0], "c": [0.0, 1.0, 0.0]}
+    averaged = masked_branch_average(HAND_BRANCHES, presence, HAND_KEYS)
+    assert averaged["head.branches.0.weight"] == pytest.approx((1 + 3) / 2)
+    assert averaged["head.branches.1.weight"] == pytest.approx((10 + 20) / 2)
+    assert averaged["head.branches.2.weight"] == pytest.approx(7.0)  # its only holder
+
+
+def test_counts_option_weights_each_holder_by_its_examples_of_the_task():
+    counts = {"a": [1.0, 3.0, 0.0], "b": [3.0, 0.0, 2.0], "c": [0.0, 1.0, 0.0]}
+    averaged = masked_branch_average(HAND_BRANCHES, counts, HAND_KEYS)
     assert averaged["head.branches.0.weight"] == pytest.approx((1 * 1 + 3 * 3) / 4)
     assert averaged["head.branches.1.weight"] == pytest.approx((10 * 3 + 20 * 1) / 4)
     assert averaged["head.branches.2.weight"] == pytest.approx(7.0)
-    uniform = masked_branch_average(branches, {c: [float(v > 0) for v in w]
-                                               for c, w in weights.items()}, keys)
-    assert uniform["head.branches.1.weight"] == pytest.approx(15.0)  # plain mean
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "counts"])
+def test_clients_disclose_presence_by_default_and_counts_only_as_the_option(weighting):
+    overrides = {} if weighting == "uniform" else {"pfedc.weighting": "counts"}
+    client = _client(0, partitioner="dirichlet", **{"dirichlet-alpha": 0.1}, **overrides)
+    counts = np.bincount(client.data.y_train, minlength=10).astype(float)
+    sent = client.identity()["pfedc.task-weights"]
+    expected = (counts > 0).astype(float) if weighting == "uniform" else counts
+    assert sent == expected.tolist()
 
 
 def _strategy(**overrides) -> PFedCStrategy:
@@ -171,6 +190,65 @@ def test_one_task_is_fedavg_with_one_shared_head():
                                      {0: ["head.branches.0.bias"]})
     assert averaged["head.branches.0.bias"] == pytest.approx(np.full(10, 1.75))  # FedAvg mean
     assert Array(averaged["head.branches.0.bias"]).dtype == "float32"
+
+
+def _branch_keys(keys, held: bool, weights: list[float]) -> list[str]:
+    return [k for k in keys if (t := branch_of_key(k)) is not None and (weights[t] > 0) == held]
+
+
+def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
+    """Three rounds through the client runtime and the strategy (round 2 without client 3):
+    every client's branch of a task it does not hold is exactly what its own training left,
+    round after round (never sent, never received); every held branch the server sends is the
+    plain mean of its holders' latest uploads (eq. 7), not the count-weighted one."""
+    clients = [_client(pid, partitioner="dirichlet", **{"dirichlet-alpha": 0.1,
+                                                         "local-epochs": 1})
+               for pid in range(4)]
+    settings = clients[0].settings
+    assert settings.method_settings.weighting == "uniform"  # the default
+    arrays = initial_shared_arrays(settings)
+    strategy = PFedCStrategy(settings, arrays, build_wire(settings))
+    presence = {c.client_id: c.identity()["pfedc.task-weights"] for c in clients}
+    assert sum(0.0 in w for w in presence.values()) >= 3  # most clients lack some class
+    left_by_training: dict[str, dict[str, torch.Tensor]] = {}
+    latest: dict[str, dict[str, np.ndarray]] = {}
+    for server_round, present in ((1, clients), (2, clients[:3]), (3, clients)):
+        replies = []
+        for client in present:
+            cid = client.client_id
+            down = strategy.downlink(server_round, cid, arrays)
+            assert not _branch_keys(down, False, presence[cid]) or server_round == 1
+            model = client.model(down)
+            state = model.state_dict()
+            for key, value in left_by_training.get(cid, {}).items():
+                torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+            for key in _branch_keys(down, True, presence[cid]) if server_round > 1 else []:
+                np.testing.assert_array_equal(state[key].numpy(), arrays[key].numpy())
+            torch.manual_seed(server_round)
+            client.method.local_train(LocalTraining(model, client.loader(True, server_round),
+                                                    settings, client.device, server_round))
+            identity = client.identity()
+            sent = client.shared_arrays(model, down, identity)
+            assert not _branch_keys(sent, False, presence[cid])
+            client.keep_personal(model, down, sent)
+            left_by_training[cid] = {k: v.clone() for k, v in model.state_dict().items()
+                                     if k in _branch_keys(state, False, presence[cid])}
+            latest[cid] = {k: v.numpy() for k, v in sent.items()}
+            replies.append(ClientReply(client.partition_id, cid, sent, MetricRecord(
+                {"num-examples": len(client.data.y_train)}), identity))
+        arrays = strategy.aggregate_shared(server_round, replies, arrays)
+        for task, keys in strategy.keys_of_task.items():
+            holders = [c for c, w in presence.items() if w[task] > 0]
+            for key in keys:
+                if not holders:
+                    continue
+                mean = np.mean([latest[c][key] for c in holders], axis=0)
+                np.testing.assert_allclose(arrays[key].numpy(), mean, rtol=1e-5, atol=1e-6)
+    counts = {c.client_id: np.bincount(c.data.y_train, minlength=10) for c in clients}
+    weighted = masked_branch_average(latest, {c: n.astype(float).tolist()
+                                              for c, n in counts.items()},
+                                     strategy.keys_of_task)
+    assert any(not np.allclose(weighted[k], arrays[k].numpy(), atol=1e-4) for k in weighted)
 
 
 @pytest.mark.integration

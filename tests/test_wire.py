@@ -45,8 +45,10 @@ def server_task() -> None:
 SCENARIOS = [
     *[(m, {}) for m in REGISTRY],
     ("pfedc", {"partitioner": "pathological", "classes-per-client": 2}),
-    ("pfedc", {"partitioner": "pathological", "pfedc.weighting": "uniform", "pfedc.tasks": 3}),
+    ("pfedc", {"partitioner": "pathological", "pfedc.weighting": "counts", "pfedc.tasks": 3}),
     ("factorized-fl", {"factorized-fl.variant": "uvm"}),
+    ("factorized-fl", {"factorized-fl.variant": "u-paper"}),
+    ("feddecomp", {"feddecomp.bn-stats": "personal", "feddecomp.weighting": "examples"}),
     ("fedfac", {"fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
 ]
 

@@ -3,7 +3,8 @@
 Shared: every state-dict entry except the factors ``lora_A``/``lora_B`` and BatchNorm's batch
 counters, i.e. exactly FedAvg's keys and bytes (``sigma`` keeps the original weight names):
 ``sigma`` of every Linear/Conv2d, their biases, and BatchNorm affine parameters and running
-statistics (as in the paper's code). ``tau``'s factors never leave the client.
+statistics (as in the paper's code; ``feddecomp.bn-stats = "personal"`` keeps the running
+statistics on the client). ``tau``'s factors never leave the client.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class FedDecompSettings(KeyGroup):
     rank_conv: float = key("feddecomp.rank-conv", low=0, high=1, low_open=True)
     rank_linear: float = key("feddecomp.rank-linear", low=0, high=1, low_open=True)
     lora_epochs: int = key("feddecomp.lora-epochs")
+    weighting: str = key("feddecomp.weighting", choices=("uniform", "examples"))
+    tau_scale: str = key("feddecomp.tau-scale", choices=("none", "inverse-rank"))
+    bn_stats: str = key("feddecomp.bn-stats", choices=("shared", "personal"))
 
 
 def check(settings: RunSettings, model: nn.Module) -> None:
@@ -31,4 +35,6 @@ def check(settings: RunSettings, model: nn.Module) -> None:
 
 class SigmaShared(WireSpec):
     def select_shared(self, model: nn.Module) -> list[str]:
-        return [k for k in state_keys(model) if not is_personal_key(k)]
+        personal_stats = self.settings.method_settings.bn_stats == "personal"
+        return [k for k in state_keys(model) if not is_personal_key(k)
+                and not (personal_stats and "running_" in k)]

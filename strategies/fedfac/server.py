@@ -1,7 +1,7 @@
 """FedFac's server rule: factor analysis splits elements into shared and personal.
 
 For every layer in ``fedfac.layers`` (see ``models/fedfac.py``) the server stacks the replying
-clients' weights of that layer into ``Z`` (one column per element, one row per (client,
+clients' matrices of that layer into ``Z`` (one column per element, one row per (client,
 incoming weight) pair), takes the columns' correlation matrix ``R``, the number of factors
 ``G = min{m : top-m eigenvalues / all >= fedfac.kappa}``, and loadings ``A`` by principal-axis
 factoring (loadings from the top ``G`` eigenpairs of ``R - Sigma_eps``,
@@ -9,10 +9,19 @@ factoring (loadings from the top ``G`` eigenpairs of ``R - Sigma_eps``,
 shared when its communality ``nu_j = sum_m a_jm^2`` is at least the ``fedfac.tau-quantile``
 quantile of ``nu`` (above 1: the whole layer is personal; below 0: all shared).
 
-``fedfac.mode = "static"``: split once, from the weights after the first local training, then
-fixed; afterwards personal elements never leave their clients (uplinks carry only the shared
-rows). ``"dynamic"``: re-split every round from that round's replies, so clients upload the
-analysed layers whole every round (the analysis needs them); personal rows are still never
+What is analysed (``fedfac.analysis``): ``"updates"`` (default), each client's weights minus
+the shared weights the round started from (the server's; for a row that is already personal
+in dynamic mode, its last shared value, so the difference is the client's drift since then);
+``"weights"``, the weights themselves. Every client starts from one seeded initialisation, so
+after a round or two of local training the weights are that initialisation plus small
+updates, and their correlations are the initialisation's: a split of the weights is then
+close to a random one. ``fedfac.warmup-rounds`` = W: rounds 1..W are FedAvg (everything
+shared, no split); the first split is made from round W+1's replies.
+
+``fedfac.mode = "static"``: split once, from the replies of the first round after the warm-up,
+then fixed; afterwards personal elements never leave their clients (uplinks carry only the
+shared rows). ``"dynamic"``: re-split every round from that round's replies, so clients upload
+the analysed layers whole every round (the analysis needs them); personal rows are still never
 averaged nor sent down.
 
 Aggregation: shared elements of the analysed layers and every other shared key (FedAvg's keys)
@@ -120,6 +129,8 @@ class FedFacStrategy(PersonalizedStrategy):
         self.kappa = options.kappa
         self.tau_quantile = options.tau_quantile
         self.server_lr = options.server_lr
+        self.on_updates = options.analysis == "updates"
+        self.warmup_rounds = options.warmup_rounds
         self.split: dict[str, np.ndarray] | None = None
         self.communalities: dict[str, np.ndarray] = {}  # last analysis (warm start)
         self.reference = options.split
@@ -136,14 +147,26 @@ class FedFacStrategy(PersonalizedStrategy):
     def uplink_masks(self) -> Masks | None:
         return self.split if self.sliced_uplink else None
 
-    def _analyse(self, server_round: int, replies: list[ClientReply]) -> None:
+    def analysed_matrices(self, layer: str, replies: list[ClientReply],
+                          arrays: ArrayRecord) -> list[np.ndarray]:
+        """Per client, the layer's weight (``fedfac.analysis = "weights"``) or its update, the
+        weight minus the round's starting shared weight (``"updates"``)."""
+        key = f"{layer}.weight"
+        weights = [r.arrays[key].numpy() for r in replies]
+        if not self.on_updates:
+            return weights
+        start = arrays[key].numpy().astype(np.float64)
+        return [w.astype(np.float64) - start for w in weights]
+
+    def _analyse(self, server_round: int, replies: list[ClientReply],
+                 arrays: ArrayRecord) -> None:
         report: dict[str, Any] = {}
         split: dict[str, np.ndarray] = {}
         for layer in self.layers:
             start = time.perf_counter()
             previous = self.communalities.get(layer)
             mask, nu, factors = shared_elements(
-                [r.arrays[f"{layer}.weight"].numpy() for r in replies], self.kappa,
+                self.analysed_matrices(layer, replies, arrays), self.kappa,
                 self.tau_quantile, None if previous is None else np.clip(1 - previous, 0, 1))
             self.communalities[layer] = nu
             mask = self._reference_split(server_round, layer, mask)
@@ -176,14 +199,14 @@ class FedFacStrategy(PersonalizedStrategy):
 
     def aggregate_shared(self, server_round: int, replies: list[ClientReply],
                          arrays: ArrayRecord) -> ArrayRecord:
-        if self.split is None or not self.static:
-            self._analyse(server_round, replies)
+        if server_round > self.warmup_rounds and (self.split is None or not self.static):
+            self._analyse(server_round, replies, arrays)
         total = sum(r.num_examples for r in replies)
         merged = {}
         for key, current in arrays.items():
             old = current.numpy()
             layer = self.layer_of_key.get(key)
-            rows = (slice(None) if layer is None else self.split[layer])
+            rows = (slice(None) if layer is None or self.split is None else self.split[layer])
             uploads = [r.arrays[key].numpy() for r in replies]
             if layer is not None and not self.sliced_uplink:
                 uploads = [u[rows] for u in uploads]

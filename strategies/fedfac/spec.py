@@ -38,6 +38,8 @@ class FedFacSettings(KeyGroup):
     server_lr: float = key("fedfac.server-lr", low=0, low_open=True)
     new_clients: float = key("fedfac.new-clients", low=0, high=1)
     split: str = key("fedfac.split", choices=("estimate", "true", "random"))
+    analysis: str = key("fedfac.analysis", choices=("updates", "weights"))
+    warmup_rounds: int = key("fedfac.warmup-rounds", low=0)
 
 
 def check(settings: RunSettings, model: nn.Module) -> None:

@@ -3,9 +3,11 @@
 Per round: ``phi <- sum_i (D_i / D) phi_i`` over the replies (eq. 6); for each task ``t``,
 ``omega^t <- sum_n w_n^t omega_n^t / sum_n w_n^t`` over every client ``n`` known to hold ``t``
 (latest branches, so clients not sampled this round still count), with ``w_n^t`` the task
-weights of the wire spec: the masked mean of eq. 7 (``m_{i,n}^t = pi_i^t pi_n^t``), weighted by
-class counts or uniform. Client ``i`` receives ``phi`` and ``omega^t`` for the tasks it holds
-(per-node downlink); its other branches stay its own.
+weights of the wire spec. ``pfedc.weighting = "uniform"`` (default): ``w_n^t = pi_n^t`` in
+{0, 1}, the masked mean of eq. 7 (``m_{i,n}^t = pi_i^t pi_n^t``): every holder counts once.
+``"counts"`` (an option, not the paper's rule): ``w_n^t`` = the client's examples of ``t``'s
+classes. Client ``i`` receives ``phi`` and ``omega^t`` for the tasks it holds (per-node
+downlink); its other branches stay its own, never touched by the server.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from strategies.pfedc.spec import HeldBranches
 def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
                           task_weights: dict[str, list[float]],
                           keys_of_task: dict[int, list[str]]) -> dict[str, np.ndarray]:
-    """Eq. 7: per task, the ``task_weights``-weighted mean of the branches of the clients
-    that hold it (weight > 0). Tasks nobody holds are absent from the result."""
+    """Per task, the ``task_weights``-weighted mean of the branches of the clients that hold
+    it (weight > 0): eq. 7 when the weights are the 0/1 presence vectors (``uniform``).
+    Tasks nobody holds are absent from the result."""
     averaged: dict[str, np.ndarray] = {}
     for task, keys in keys_of_task.items():
         holders = [(cid, w[task]) for cid, w in task_weights.items() if w[task] > 0]

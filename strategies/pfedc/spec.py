@@ -1,10 +1,11 @@
 """pFedC's settings and wire spec.
 
 Uplink of client ``i``: ``phi`` (every ``body.*`` key), the branches of the tasks it holds,
-and, in its ``client`` record, ``pfedc.task-weights``: per task, its number of training
-examples of that task's classes (``pfedc.weighting = "counts"``) or just 1/0 for held/not held
-(``"uniform"``, which reveals only the label presence vector ``pi_i``). This vector is sensitive
-(it is the client's label distribution or presence); the server keeps it per client id and
+and, in its ``client`` record, ``pfedc.task-weights``: per task 1/0 for held/not held
+(``pfedc.weighting = "uniform"``, the default and eq. 7's rule, which reveals only the label
+presence vector ``pi_i``) or its number of training examples of that task's classes
+(``"counts"``, which reveals its label histogram). This vector is sensitive (it is the
+client's label presence or distribution); the server keeps it per client id and
 writes it to ``results.json`` under ``server_state.pfedc.task_weights`` so users can see what
 was disclosed. Branches of tasks a client does not hold never leave it.
 
@@ -35,7 +36,7 @@ TASK_WEIGHTS = "pfedc.task-weights"
 class PFedCSettings(KeyGroup):
     tasks: int = config_key("pfedc.tasks", low=0)
     mgda: bool = config_key("pfedc.mgda")
-    weighting: str = config_key("pfedc.weighting", choices=("counts", "uniform"))
+    weighting: str = config_key("pfedc.weighting", choices=("uniform", "counts"))
 
 
 def check(settings: RunSettings, model: nn.Module) -> None:
