@@ -29,24 +29,21 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from common.config import RunSettings
 from common.protocol import (
     ACTION,
     ARRAYS,
-    CLIENT,
-    CLIENT_ID,
     CONFIG,
     EVALUATE_METRICS,
     IDENTIFY,
-    NUM_EXAMPLES,
     SERVER_ROUND,
     TRAIN_METRICS,
     ArraySpec,
@@ -56,6 +53,7 @@ from common.record import personalized_stats
 from strategies.personalized.accounting import RoundLedger
 from strategies.personalized.identity import NodeDirectory
 from strategies.personalized.replies import Exchange, exchange, valid_replies
+from strategies.personalized.robust import ExampleCounts, aggregate
 from strategies.wire import Masks, WireSpec
 
 
@@ -66,6 +64,10 @@ class PersonalizedStrategy:
     # Attributes saved in the server checkpoint and restored on resume; a method adds its
     # per-client tables (``(*PersonalizedStrategy.checkpointed, "split")``).
     checkpointed: tuple[str, ...] = ("per_client_accuracy",)
+    # The checkpointed attributes keyed by client id: bounded like the node directory's
+    # tables (``identity.max-clients``) and forgotten when a client id expires
+    # (``identity.expire-rounds``). A method adds its own (``"branches"``).
+    client_tables: tuple[str, ...] = ("per_client_accuracy",)
 
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
                  wire: WireSpec) -> None:
@@ -73,7 +75,8 @@ class PersonalizedStrategy:
         self.wire = wire
         self.global_arrays = initial_arrays  # the shared arrays the current round started from
         self.ledger = RoundLedger()
-        self.nodes = NodeDirectory()
+        self.nodes = NodeDirectory(settings)
+        self.example_counts = ExampleCounts()
         self.per_client_accuracy: dict[str, float] = {}
         # added to every train/evaluate message's config (resume lineage, see server_app)
         self.message_config: dict[str, Any] = {}
@@ -99,8 +102,9 @@ class PersonalizedStrategy:
 
     def aggregate_shared(self, server_round: int, replies: list[ClientReply],
                          arrays: ArrayRecord) -> ArrayRecord:
-        """New global shared arrays from the valid replies (default: weighted mean)."""
-        return aggregate_arrayrecords([r.content for r in replies], NUM_EXAMPLES)
+        """New global shared arrays from the valid replies (default: the run's
+        ``aggregation.*`` rule, ``robust.py``; by default the example-weighted mean)."""
+        return self.aggregate_keys(replies, list(arrays.keys()), arrays)
 
     def begin_round(self, server_round: int) -> None:
         """Before the round's train messages are built."""
@@ -117,9 +121,29 @@ class PersonalizedStrategy:
         return {}
 
     # ------------------------------------------------------------------ helpers for methods
+    def aggregate_keys(self, replies: list[ClientReply], keys: list[str],
+                       reference: ArrayRecord) -> ArrayRecord:
+        """``keys`` of the replies' arrays by the run's ``aggregation.*`` rule (``reference``:
+        the arrays the round started from, for update clipping)."""
+        return aggregate(replies, keys, reference, self.settings)
+
     def report(self, server_round: int, name: str, value: Any) -> None:
         """A per-round value of the method, shown in that round's entry of results.json."""
         self.ledger.report(server_round, name, value)
+
+    def checked_replies(self, server_round: int, stage: str, batch: Exchange,
+                        metric_keys: tuple[str, ...] | None,
+                        expected_arrays: Callable[[ClientReply], ArraySpec] | None = None
+                        ) -> list[ClientReply]:
+        """The replies of ``batch`` that pass validation (``replies.valid_replies``, the one
+        path for every exchange; ``metric_keys`` None: a query), with train and evaluate
+        example counts bounded by each client's first report (``robust.ExampleCounts``)."""
+        valid = valid_replies(self.ledger, self.nodes, server_round, stage, batch,
+                              metric_keys, self.settings.round_timeout, expected_arrays,
+                              max_examples=self.settings.max_num_examples)
+        if stage in ("train", "evaluate"):
+            self.example_counts.bound(stage, valid)
+        return valid
 
     def query(self, grid: Grid, contents: dict[int, RecordDict]) -> Exchange:
         """One ``query`` message per node (``contents``: node -> content with an ``action``
@@ -130,37 +154,50 @@ class PersonalizedStrategy:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything this strategy needs to continue a run: its ``checkpointed``
-        attributes (picklable)."""
-        return {name: getattr(self, name) for name in self.checkpointed}
+        attributes (NumPy arrays, ``ArrayRecord``s and JSON values: see
+        ``common/durable.py``), when each client id was last heard from and the pinned
+        example counts."""
+        return {**{name: getattr(self, name) for name in self.checkpointed},
+                "last_seen": self.nodes.last_seen,
+                "example_counts": self.example_counts.pinned}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         for name in self.checkpointed:
             setattr(self, name, state[name])
+        self.nodes.last_seen = dict(state.get("last_seen", {}))
+        self.example_counts.pinned = dict(state.get("example_counts", {}))
+
+    def forget_expired(self, server_round: int) -> None:
+        """Drop the per-client tables of client ids not heard from for
+        ``identity.expire-rounds`` rounds."""
+        for client_id in self.nodes.expire(server_round):
+            for name in self.client_tables:
+                getattr(self, name).pop(client_id, None)
+            self.example_counts.pinned.pop(client_id, None)
+            log(INFO, "round %d: client id %s expired (not heard from for %d rounds)",
+                server_round, client_id, self.settings.expire_rounds)
 
     # ------------------------------------------------------------------ identity
-    def identify(self, grid: Grid) -> None:
-        """Ask every connected node who it is, before the first round, so that everything
-        per client is keyed by client id from the start."""
+    def identify(self, grid: Grid, server_round: int = 1) -> None:
+        """Ask every connected node who it is, before the first round (``server_round``: the
+        round its dropped replies are recorded under), so that everything per client is
+        keyed by client id from the start."""
         nodes = self.connected_nodes(grid)
-        self._identify_nodes(grid, nodes)
+        self._identify_nodes(grid, nodes, server_round)
         log(INFO, "identify: %d of %d nodes answered", len(self.nodes.client_info), len(nodes))
 
-    def _identify_nodes(self, grid: Grid, nodes: list[int]) -> None:
+    def _identify_nodes(self, grid: Grid, nodes: list[int], server_round: int) -> None:
         """Ask ``nodes`` who they are. A node that does not reply at all is ``silent`` (not
-        sampled until it replies); one that replies without a client id (a ClientApp without
-        the ``identify`` query) is alive and is learned from its train replies instead."""
+        sampled until it replies); one whose reply is dropped (a ClientApp without the
+        ``identify`` query, a malformed reply) is alive and is learned from its train replies
+        instead, unless its claim was refused (``NodeDirectory.claim``)."""
         batch = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({ACTION: IDENTIFY})})
                                   for n in nodes})
         self.nodes.heard_from(nodes, [node for node, _ in batch.replies])
-        for node_id, reply in batch.replies:
-            info = (None if reply.has_error() else reply.content.config_records.get(CLIENT))
-            if info is None or not isinstance(info.get(CLIENT_ID), str):
-                log(WARNING, "identify: node %d did not answer (%s)", node_id,
-                    reply.error.reason if reply.has_error() else "no client id")
-                continue
-            client_id = str(info[CLIENT_ID])
-            self.nodes.identified(node_id, client_id, dict(info))
-            self.on_identified(client_id, dict(info))
+        for reply in self.checked_replies(server_round, "identify", batch, None):
+            info = dict(reply.info)
+            self.nodes.identified(reply.node_id, reply.client_id, info)
+            self.on_identified(reply.client_id, info)
 
     def admit_new_nodes(self, server_round: int, stage: str, grid: Grid, nodes: list[int],
                         arrays: ArrayRecord) -> None:
@@ -179,7 +216,7 @@ class PersonalizedStrategy:
         if not new:
             return
         known = set(self.nodes.client_info)
-        self._identify_nodes(grid, new)
+        self._identify_nodes(grid, new, server_round)
         rejoined = {n: self.nodes.node_to_client[n] for n in new
                     if self.nodes.client_of(n) in known - self.nodes.excluded_clients}
         if not rejoined:
@@ -190,9 +227,9 @@ class PersonalizedStrategy:
         # the state it came back with: not ahead of the last completed round
         messages = self._addressed(server_round, rejoined, arrays, MessageType.EVALUATE,
                                    server_round - 1)
-        valid = valid_replies(self.ledger, self.nodes, server_round, "rejoin",
-                              exchange(grid, messages, self.settings.round_timeout),
-                              EVALUATE_METRICS, self.settings.round_timeout)
+        valid = self.checked_replies(server_round, "rejoin",
+                                     exchange(grid, messages, self.settings.round_timeout),
+                                     EVALUATE_METRICS)
         self.ledger.client_cpu(server_round, "evaluate", valid)
         self._record_rejoined(server_round, valid)
 
@@ -212,7 +249,7 @@ class PersonalizedStrategy:
         none."""
         deadline = time.monotonic() + self.settings.round_timeout
         while True:
-            nodes = list(grid.get_node_ids())
+            nodes = self.nodes.observe(grid.get_nodes())
             if len(nodes) >= self.settings.min_nodes:
                 return nodes
             if time.monotonic() >= deadline:
@@ -259,6 +296,7 @@ class PersonalizedStrategy:
         """Sample, send, validate, aggregate; the new shared arrays (None: no valid reply,
         the shared model stays as it was)."""
         with self.ledger.server_cpu(server_round):
+            self.forget_expired(server_round)
             self.begin_round(server_round)
             messages = self._sample(server_round, arrays, grid, self.settings.fraction_train,
                                     MessageType.TRAIN)
@@ -266,9 +304,8 @@ class PersonalizedStrategy:
         batch = exchange(grid, messages, self.settings.round_timeout)
         with self.ledger.server_cpu(server_round):
             masks = self.uplink_masks()
-            valid = valid_replies(
-                self.ledger, self.nodes, server_round, "train", batch, TRAIN_METRICS,
-                self.settings.round_timeout,
+            valid = self.checked_replies(
+                server_round, "train", batch, TRAIN_METRICS,
                 expected_arrays=lambda reply: self.wire.uplink_spec(reply.info, masks))
             self.ledger.client_cpu(server_round, "train", valid)
             if not valid:
@@ -288,8 +325,7 @@ class PersonalizedStrategy:
                                     self.settings.fraction_evaluate, MessageType.EVALUATE)
         batch = exchange(grid, messages, self.settings.round_timeout)
         with self.ledger.server_cpu(server_round):
-            valid = valid_replies(self.ledger, self.nodes, server_round, "evaluate", batch,
-                                  EVALUATE_METRICS, self.settings.round_timeout)
+            valid = self.checked_replies(server_round, "evaluate", batch, EVALUATE_METRICS)
             self.ledger.client_cpu(server_round, "evaluate", valid)
             rejoined = [r for r in valid if r.client_id in self._rejoined_at_evaluate]
             if rejoined:
