@@ -78,6 +78,16 @@ class NodeDirectory:
         self.last_seen[client_id] = server_round
         return None
 
+    def contested(self, claims: list[tuple[int, str]]) -> set[str]:
+        """Client ids that several nodes of one batch claim while none of them holds it: no
+        claimant gets it (without authentication nothing tells which one is genuine)."""
+        claimants: dict[str, set[int]] = {}
+        for node_id, client_id in claims:
+            if self._refusal(node_id, client_id) is None:  # a claim it may make at all
+                claimants.setdefault(client_id, set()).add(node_id)
+        return {c for c, found in claimants.items()
+                if len(found) > 1 and not any(self.node_to_client.get(n) == c for n in found)}
+
     def _refusal(self, node_id: int, client_id: str) -> str | None:
         name = self.names.get(node_id, "")
         if name:

@@ -74,12 +74,25 @@ def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, 
         ledger.drop(server_round, stage, node_id, nodes.client_of(node_id) or "?",
                     f"no reply within round-timeout ({timeout:.0f} s)")
     nodes.answered(node for node, _ in batch.replies)
-    valid = []
+    read: list[tuple[int, Message, ClientReply | Exception]] = []
     for node_id, reply in batch.replies:
         if stage == "train":
             ledger.uplink(server_round, reply)
         try:
-            checked = read_reply(node_id, reply, metric_keys, expected_arrays, max_examples)
+            read.append((node_id, reply, read_reply(node_id, reply, metric_keys,
+                                                    expected_arrays, max_examples)))
+        except Exception as error:  # whatever one reply holds, the round goes on
+            read.append((node_id, reply, error))
+    contested = nodes.contested([(n, r.client_id) for n, _, r in read
+                                 if isinstance(r, ClientReply)])
+    valid = []
+    for node_id, reply, checked in read:
+        try:
+            if isinstance(checked, Exception):
+                raise checked
+            if checked.client_id in contested:
+                raise ReplyError(f"client id {checked.client_id} is claimed by several nodes "
+                                 "at once, none of which holds it")
             refused = nodes.claim(node_id, checked.client_id, server_round)
             if refused is not None:
                 raise ReplyError(refused)
