@@ -1,0 +1,232 @@
+"""Integration (real ``flwr run`` simulations): a ClientApp that sends every kind of malformed
+reply cannot stop the run nor change the honest clients' results, and the robust aggregation
+rules keep one attacker's scaled, sign-flipped updates from costing the honest clients more
+than 2 points of accuracy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import copy_app, read_results
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+# Partitions 0-2 are honest; 3-5 are malicious: every reply they send is malformed, one case
+# per (round, partition) for train replies, and for evaluate and identify replies too.
+MALICIOUS_CLIENT = '''
+"""A test ClientApp (not shipped): partitions >= 3 send only malformed replies."""
+import math
+
+import numpy as np
+from flwr.app import Array
+
+from flwr.clientapp import ClientApp
+
+from client_app.app import evaluate_personalized, query, train
+
+HONEST = 3
+
+
+def first(arrays):
+    key = next(iter(arrays.keys()))
+    return key, arrays[key].numpy()
+
+
+def set_first(content, make):
+    key, value = first(content["arrays"])
+    content["arrays"][key] = make(value)
+
+
+TRAIN_CASES = [
+    ("undecodable", lambda c: set_first(c, lambda v: Array(
+        str(v.dtype), v.shape, "numpy.ndarray", b"garbage"))),
+    ("not-numpy", lambda c: set_first(c, lambda v: Array(
+        str(v.dtype), v.shape, "torch.Tensor", Array(v).data))),
+    ("real-shape", lambda c: set_first(c, lambda v: Array(
+        str(v.dtype), v.shape, "numpy.ndarray", Array(v.reshape(-1)).data))),
+    ("huge-shape", lambda c: set_first(c, lambda v: Array(
+        str(v.dtype), (10**9, 10**9), "numpy.ndarray", Array(v).data))),
+    ("missing-arrays", lambda c: c["arrays"].pop(first(c["arrays"])[0])),
+    ("extra-arrays", lambda c: c["arrays"].__setitem__("evil", Array(np.zeros(3)))),
+    ("list-train-loss", lambda c: c["metrics"].__setitem__("train-loss", [0.1, 0.2])),
+    ("list-cpu-seconds", lambda c: c["metrics"].__setitem__("cpu-seconds", [1.0, 2.0])),
+    ("1e12-examples", lambda c: c["metrics"].__setitem__("num-examples", 10**12)),
+    ("superscript-id", lambda c: c["client"].__setitem__("client-id", "\\u00b2")),
+    ("path-id", lambda c: c["client"].__setitem__("client-id", "../../x")),
+    ("bytes-id", lambda c: c["client"].__setitem__("client-id", b"\\xff\\xfe")),
+    ("no-partition-id", lambda c: c["client"].pop("partition-id")),
+    ("nan-train-loss", lambda c: c["metrics"].__setitem__("train-loss", math.nan)),
+    ("claims-0", lambda c: c["client"].__setitem__("client-id", "0")),  # last: a refused
+]                                                                        # node gets no work
+EVALUATE_CASES = [
+    lambda c: c["metrics"].__setitem__("accuracy", [0.5, 0.5]),
+    lambda c: c["metrics"].__setitem__("loss", [1.0]),
+    lambda c: c["metrics"].__setitem__("accuracy", 7.0),
+]
+
+
+def corrupt(msg, context, call_next):
+    pid = int(context.node_config["partition-id"])
+    reply = call_next(msg, context)
+    if pid < HONEST or reply.has_error():
+        return reply
+    content = reply.content
+    kind = msg.metadata.message_type
+    if kind == "train":
+        server_round = int(msg.content["config"]["server-round"])
+        _, change = TRAIN_CASES[((server_round - 1) * 3 + pid - HONEST) % len(TRAIN_CASES)]
+        change(content)
+    elif kind == "evaluate":
+        EVALUATE_CASES[pid - HONEST](content)
+    else:  # identify: an id that is not safe (not a claim of anyone's id)
+        content["client"]["client-id"] = "\\u00b2"
+    return reply
+
+
+app = ClientApp(mods=[corrupt])
+app.train()(train)
+app.evaluate()(evaluate_personalized)
+app.query()(query)
+'''
+
+# The same partitions fail every message instead (error replies): a run "without them".
+ABSENT_CLIENT = '''
+from flwr.clientapp import ClientApp
+
+from client_app.app import evaluate_personalized, query, train
+
+
+def fail(msg, context, call_next):
+    if int(context.node_config["partition-id"]) >= 3:
+        raise RuntimeError("absent")
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[fail])
+app.train()(train)
+app.evaluate()(evaluate_personalized)
+app.query()(query)
+'''
+
+
+def _app_with(tmp: Path, name: str, source: str) -> Path:
+    app_dir = copy_app(tmp / name)
+    (app_dir / f"{name}.py").write_text(source)
+    pyproject = app_dir / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('clientapp = "client_app.app:app"',
+                                                       f'clientapp = "{name}:app"'))
+    return app_dir
+
+
+def test_malformed_replies_are_dropped_and_honest_results_equal_a_run_without_them(
+        federation, tmp_path):
+    config = {"method": "fedavg", "num-server-rounds": 5, "local-epochs": 1, "plot": False,
+              "min-nodes": 6}
+    results = {}
+    for name, source in (("malicious_client", MALICIOUS_CLIENT),
+                         ("absent_client", ABSENT_CLIENT)):
+        out = tmp_path / f"out-{name}"
+        run = federation.run(_app_with(tmp_path, name, source),
+                             {**config, "output-dir": str(out)}, num_supernodes=6)
+        assert run.ok, run.output[-3000:]
+        results[name] = (read_results(out), run.output)
+    bad, _ = results["malicious_client"]
+    good, _ = results["absent_client"]
+    assert [r["round"] for r in bad["rounds"]] == [1, 2, 3, 4, 5]
+    reasons = [d["reason"] for r in bad["rounds"] for d in r.get("dropped", [])]
+    train_drops = [d for r in bad["rounds"] for d in r.get("dropped", [])
+                   if d["stage"] == "train"]
+    assert len(train_drops) == 15  # every malformed train reply, each with its reason
+    for expected in ("does not decode", "not a NumPy array", "data of shape",
+                     "(1000000000, 1000000000)", "missing", "unknown ['evil']",
+                     "'train-loss' must be a number", "'cpu-seconds' must be a number",
+                     "exceeds aggregation.max-num-examples", "is not a safe id",
+                     "'../../x'", "string 'client-id'", "partition-id",
+                     "'train-loss' is not finite", "client id 0 is held by live node",
+                     "'accuracy' must be a number", "'loss' must be a number",
+                     "'accuracy' = 7.0 is outside"):
+        assert any(expected in r for r in reasons), (expected, reasons)
+    assert all(d["reason"] for r in bad["rounds"] for d in r.get("dropped", []))
+    # the honest clients' results equal the run without the malicious ones
+    for a, b in zip(bad["rounds"], good["rounds"], strict=True):
+        assert a["train"]["num_clients"] == b["train"]["num_clients"] == 3
+        assert a["train"]["loss"] == pytest.approx(b["train"]["loss"], abs=1e-9)
+        assert sorted(a["eval"]["per_client"]) == ["0", "1", "2"]
+        assert a["eval"]["per_client"] == pytest.approx(b["eval"]["per_client"], abs=1e-9)
+    assert set(bad["server_state"]["node_to_client"].values()) == {"0", "1", "2"}
+
+
+# One client (partition 4 of 5) sends its update scaled by -10: sign-flipped and 10x larger.
+ATTACKER_CLIENT = '''
+from flwr.app import Array
+from flwr.clientapp import ClientApp
+
+from client_app.app import evaluate_personalized, query, train
+
+SCALE = -10.0
+
+
+def attack(msg, context, call_next):
+    reply = call_next(msg, context)
+    if (int(context.node_config["partition-id"]) != 4 or reply.has_error()
+            or msg.metadata.message_type != "train"):
+        return reply
+    received = msg.content["arrays"]
+    arrays = reply.content["arrays"]
+    for key in list(arrays.keys()):
+        start = received[key].numpy()
+        arrays[key] = Array((start + SCALE * (arrays[key].numpy() - start)).astype(start.dtype))
+    return reply
+
+
+app = ClientApp(mods=[attack])
+app.train()(train)
+app.evaluate()(evaluate_personalized)
+app.query()(query)
+'''
+ATTACK_BASE = {"method": "fedavg", "num-server-rounds": 4, "local-epochs": 1, "plot": False,
+               "min-nodes": 5}
+# Honest updates of this CNN on digits are about 1-3 long per round (L2 over all shared
+# arrays); the clipping bound sits at their scale.
+ROBUST = {"median": {"aggregation.rule": "median"},
+          "trimmed-mean": {"aggregation.rule": "trimmed-mean",
+                           "aggregation.trim-fraction": 0.2},
+          "clip-norm": {"aggregation.rule": "mean", "aggregation.clip-norm": 1.0}}
+
+
+def honest_accuracy(results: dict) -> float:
+    """Mean final personalized accuracy of the honest clients (0-3)."""
+    per_client = results["rounds"][-1]["eval"]["per_client"]
+    return sum(per_client[str(c)] for c in range(4)) / 4
+
+
+@pytest.fixture(scope="module")
+def attack_runs(federation, tmp_path_factory):
+    """Final honest accuracy: without the attacker (it trains honestly), with it and the plain
+    mean, and with it under each robust option."""
+    tmp = tmp_path_factory.mktemp("attack")
+    attacker_app = _app_with(tmp, "attacker_client", ATTACKER_CLIENT)
+    runs = {"no attacker": (ROOT, {}), "attacker, mean": (attacker_app, {}),
+            **{f"attacker, {name}": (attacker_app, extra) for name, extra in ROBUST.items()}}
+    accuracy = {}
+    for label, (app_dir, extra) in runs.items():
+        out = tmp / label.replace(", ", "-").replace(" ", "-")
+        run = federation.run(app_dir, {**ATTACK_BASE, **extra, "output-dir": str(out)},
+                             num_supernodes=5)
+        assert run.ok, run.output[-3000:]
+        accuracy[label] = honest_accuracy(read_results(out))
+    print("honest accuracy:", json.dumps(accuracy, indent=1))
+    return accuracy
+
+
+@pytest.mark.parametrize("option", list(ROBUST))
+def test_a_robust_option_keeps_the_honest_clients_within_two_points(attack_runs, option):
+    assert attack_runs[f"attacker, {option}"] >= attack_runs["no attacker"] - 0.02, attack_runs
+
+
+def test_without_a_robust_option_the_attacker_costs_accuracy(attack_runs):
+    assert attack_runs["attacker, mean"] < attack_runs["no attacker"] - 0.1, attack_runs
