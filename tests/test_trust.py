@@ -15,13 +15,11 @@ from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
-    Context,
     Message,
     MessageType,
     MetricRecord,
     RecordDict,
 )
-from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.runtime import Client
 from common.config import ConfigError
@@ -41,23 +39,9 @@ from server_app.rounds import check_resumable
 from strategies.personalized.replies import Exchange, valid_replies
 from strategies.personalized.robust import combine
 from strategies.registry import REGISTRY, load_settings
-from tests.conftest import app_config
+from tests.conftest import app_config, make_client
 
-
-@pytest.fixture(autouse=True)
-def server_task() -> None:
-    """Messages are made by a running ServerApp: Flower reads its run and node id."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
-
-
-def _client(partition: int, run_config: dict, **node) -> Client:
-    return Client.from_context(Context(
-        run_id=1, node_id=100 + partition,
-        node_config={"partition-id": partition, "num-partitions": 4, **node},
-        state=RecordDict(), run_config=run_config))
+pytestmark = pytest.mark.usefixtures("server_task")
 
 
 def _strategy(method: str = "fedavg", **overrides):
@@ -121,7 +105,7 @@ TRAIN_CASES = {
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
 def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
     strategy, initial = _strategy()
-    clients = [_client(p, app_config()) for p in range(2)]
+    clients = [make_client(p, app_config()) for p in range(2)]
     sent, replies = [], []
     for client in clients:
         message, content = _honest_reply(client, initial)
@@ -145,7 +129,7 @@ def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
                                                ("accuracy", 1.5), ("loss", -1.0)])
 def test_a_malformed_evaluate_reply_is_dropped(metric, value):
     strategy, _ = _strategy()
-    client = _client(0, app_config())
+    client = make_client(0, app_config())
     message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}), dst_node_id=100,
                       message_type=MessageType.EVALUATE)
     metrics = {NUM_EXAMPLES: 10, "accuracy": 0.5, "loss": 1.0, metric: value}
@@ -159,7 +143,7 @@ def test_a_malformed_evaluate_reply_is_dropped(metric, value):
 
 def test_pfedc_task_weights_of_strings_are_dropped():
     strategy, initial = _strategy("pfedc")
-    client = _client(0, app_config(method="pfedc"))
+    client = make_client(0, app_config(method="pfedc"))
     message, content = _honest_reply(client, initial)
     weights = list(content[CLIENT]["pfedc.task-weights"])
     content[CLIENT]["pfedc.task-weights"] = ["x"] * len(weights)
@@ -255,7 +239,7 @@ def test_client_ids_are_capped_and_expire_with_their_tables():
 
 def test_example_counts_are_pinned_at_the_first_report():
     strategy, _ = _strategy()
-    client = _client(0, app_config())
+    client = make_client(0, app_config())
     for server_round, examples in ((1, 50), (2, 5000)):
         message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
                           dst_node_id=100, message_type=MessageType.EVALUATE)
@@ -303,7 +287,7 @@ def test_a_checkpoint_tree_round_trips_and_loads_no_pickle(tmp_path):
 
 def test_a_truncated_personal_state_falls_back_to_the_previous_round(tmp_path, caplog):
     config = app_config(method="fedper")
-    client = _client(0, config, **{"state-dir": str(tmp_path)})
+    client = make_client(0, config, **{"state-dir": str(tmp_path)})
     initial, _ = initial_state(client.settings)
     model = client.model(initial)
     client.keep_personal(model, initial, initial, server_round=1)
@@ -315,7 +299,7 @@ def test_a_truncated_personal_state_falls_back_to_the_previous_round(tmp_path, c
     client.keep_personal(model, initial, initial, server_round=2)
     path = tmp_path / "0.pt"
     path.write_bytes(path.read_bytes()[:100])  # a torn write
-    fresh = _client(0, config, **{"state-dir": str(tmp_path)})
+    fresh = make_client(0, config, **{"state-dir": str(tmp_path)})
     with caplog.at_level(logging.WARNING):
         state = fresh.personal_state(up_to_round=2)
     assert state and all(torch.equal(state[k], first[k]) for k in first)
@@ -327,7 +311,7 @@ def test_a_truncated_personal_state_falls_back_to_the_previous_round(tmp_path, c
 
 def test_an_unsafe_client_id_in_the_node_config_is_refused():
     with pytest.raises(ConfigError, match="client-id"):
-        _client(0, app_config(), **{"client-id": "../x"})
+        make_client(0, app_config(), **{"client-id": "../x"})
 
 
 def test_a_resume_with_another_run_config_is_refused_naming_the_keys():
