@@ -75,7 +75,7 @@ class NodeDirectory:
         self.replaced_nodes.update(holders)  # gone or silent: the client came back
         self.node_to_client[node_id] = client_id
         self.refused_nodes.discard(node_id)
-        self.last_seen[client_id] = server_round
+        self.last_seen[client_id] = max(server_round, self.last_seen.get(client_id, 0))
         return None
 
     def contested(self, claims: list[tuple[int, str]]) -> set[str]:
