@@ -12,13 +12,15 @@ A method changes the server side only through these hooks (``strategies/<method>
   arrays as they are);
 - ``uplink_masks()``: row masks the clients' uplinks are cut to this round (default: none);
 - ``aggregate_shared(server_round, replies, arrays)``: the new shared arrays from the valid
-  train replies (default: example-weighted mean);
+  train replies (default: the run's ``aggregation.*`` rule over all shared keys, ``robust.py``;
+  a method that averages over clients itself uses ``aggregate_keys`` or ``robust.combine``);
 - ``begin_round(server_round)``: before a round's train messages are built;
 - ``on_identified(client_id, info)``: a node said who it is;
 - ``after_training(grid, arrays)``: work after the last round, its result goes into
   results.json;
 - ``state_tables()``: per-client tables shown under ``server_state`` in results.json;
-- ``checkpointed``: the attributes saved in the checkpoint (a method adds its tables).
+- ``checkpointed``: the attributes saved in the checkpoint (a method adds its tables);
+- ``client_tables``: those of them keyed by client id (forgotten when an id expires).
 
 Per-round values go into results.json with ``report(server_round, name, value)``; run-level
 ones (``after_training``'s) are returned. Messages to nodes outside the regular exchanges (a
