@@ -5,7 +5,6 @@ than 2 points of accuracy."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
