@@ -189,15 +189,18 @@ app.evaluate()(evaluate_personalized)
 app.query()(query)
 '''
 ATTACKS = {"flip": -10.0, "scale": 10.0}
-ATTACK_BASE = {"method": "fedavg", "num-server-rounds": 4, "local-epochs": 1, "plot": False,
-               "min-nodes": 5}
+# IID partitions: on skewed (Dirichlet) partitions the coordinate-wise rules themselves cost
+# accuracy in few rounds (README "Security model" has both), which would hide the attacker's
+# effect that this test is about.
+ATTACK_BASE = {"method": "fedavg", "num-server-rounds": 6, "local-epochs": 1, "plot": False,
+               "min-nodes": 5, "partitioner": "iid"}
 # Honest round-1 updates of this CNN on digits are 3.7-7.2 long (L2 over all shared arrays,
-# BatchNorm statistics included), later ones shorter; the clipping bound sits at their scale.
+# BatchNorm statistics included), later ones shorter; the clipping bound sits below them.
 OPTIONS = {"mean": {},
            "median": {"aggregation.rule": "median"},
            "trimmed-mean": {"aggregation.rule": "trimmed-mean",
                             "aggregation.trim-fraction": 0.2},
-           "clip-norm": {"aggregation.clip-norm": 4.0}}
+           "clip-norm": {"aggregation.clip-norm": 2.0}}
 # which attack each robust option is tested on (clipping bounds a scaled update, not its sign)
 DEFENDS = {"median": "flip", "trimmed-mean": "flip", "clip-norm": "scale"}
 RUNS = [*[(None, option) for option in OPTIONS],
