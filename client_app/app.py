@@ -16,17 +16,15 @@ from common.protocol import (
     ARRAYS,
     CLIENT,
     CONFIG,
-    IDENTIFY,
-    METRICS,
-    NUM_EXAMPLES,
-    SERVER_ROUND,
-)
-from strategies.personalized.evaluation import (
     EVAL_ACCURACY,
     EVAL_CPU,
     EVAL_EXAMPLES,
     EVAL_LOSS,
     EVALUATE_FIRST,
+    IDENTIFY,
+    METRICS,
+    NUM_EXAMPLES,
+    SERVER_ROUND,
 )
 from strategies.training import LocalTraining, evaluate
 

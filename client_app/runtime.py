@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -18,7 +17,15 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.config import ConfigError, RunSettings
-from common.protocol import CLIENT_ID, NUM_PARTITIONS, PARTITION_ID, identity_record
+from common.durable import write_atomic
+from common.protocol import (
+    CLIENT_ID,
+    CLIENT_ID_PATTERN,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    identity_record,
+    is_client_id,
+)
 from fldata import ClientData, load_client_data
 from fldata.cache import default_cache_dir
 from strategies.method import Method
@@ -59,6 +66,22 @@ def _client_data(run_config_json: str, partition_id: int, num_partitions: int,
     return load_client_data(settings, partition_id, num_partitions, data_dir, cache_dir)
 
 
+def read_state_file(path: Path, client_id: str) -> dict | None:
+    """A personal-state file (``torch.load(weights_only=True)``: plain tensors, no code), or
+    None with a log line when it does not load (truncated, corrupt, foreign): the caller
+    falls back to the previous round's file."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        int(saved["round"])
+        dict(saved["personal"])
+        return saved
+    except Exception as error:
+        log(WARNING, "client %s: personal state %s does not load (%s: %s); falling back to "
+            "the previous round's file", client_id, path, type(error).__name__,
+            str(error)[:200])
+        return None
+
+
 @dataclass
 class Client:
     """One client in one message: settings, who it is, its data and its device."""
@@ -80,6 +103,9 @@ class Client:
                               "(simulation sets them; on a SuperNode use --node-config)")
         partition_id = int(node[PARTITION_ID])
         client_id = str(node.get(CLIENT_ID, partition_id))
+        if not is_client_id(client_id):  # it names this client's personal-state files
+            raise ConfigError(f"node config: client-id {client_id!r} is not a safe id "
+                              f"(pattern {CLIENT_ID_PATTERN.pattern})")
         return cls(context, settings, REGISTRY[settings.method], client_id, partition_id,
                    select_device(settings.device))
 
@@ -150,7 +176,9 @@ class Client:
         for path in (self.state_file, self.previous_state_file):
             if path is None or not path.exists():
                 continue
-            saved = torch.load(path, map_location="cpu", weights_only=True)
+            saved = read_state_file(path, self.client_id)
+            if saved is None:
+                continue
             saved_round, run_id = int(saved["round"]), str(saved.get("run-id"))
             found.append(f"{path.name}: run {run_id} round {saved_round}")
             if up_to_round is not None and saved_round > up_to_round:
@@ -185,9 +213,11 @@ class Client:
         """Everything that is not both received and sent back is personal (the server will
         not return it): keep it in ``context.state`` and, with ``state-dir``, on disk.
 
-        On disk: written atomically (a temporary file, then ``os.replace``); the state of the
-        previous round moves to ``<client-id>.prev.pt`` first, so the last two rounds' states
-        are there for a resume from the previous round's checkpoint."""
+        On disk: written durably (``common.durable.write_atomic``: fsync of the file and its
+        directory, then the rename); the state of the previous round moves to
+        ``<client-id>.prev.pt`` first, so the last two rounds' states are there for a resume
+        from the previous round's checkpoint (a current file that does not load is not moved
+        over the previous one)."""
         keep = set(self.wire.always_personal)
         personal = {k: v.detach().cpu() for k, v in model.state_dict().items()
                     if k in keep or not (k in received and k in sent)}
@@ -195,14 +225,12 @@ class Client:
         path = self.state_file
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            torch.save({"run-id": self.context.run_id, "method": self.settings.method,
-                        "round": server_round, "personal": personal}, tmp)
-        if path.exists() and torch.load(path, map_location="cpu", weights_only=True,
-                                        mmap=True)["round"] != server_round:
-            os.replace(path, self.previous_state_file)
-        os.replace(tmp.name, path)
+        current = read_state_file(path, self.client_id) if path.exists() else None
+        if current is not None and current["round"] != server_round:
+            os.replace(path, self.previous_state_file)  # a file that does not load is not kept
+        write_atomic(path, lambda f: torch.save({
+            "run-id": self.context.run_id, "method": self.settings.method,
+            "round": server_round, "personal": personal}, f))
 
     def shared_arrays(self, model: nn.Module, received: ArrayRecord,
                       identity: ConfigRecord | None = None) -> ArrayRecord:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "domain")
+AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N"
 
 
@@ -122,6 +123,18 @@ class KeyGroup:
         return cls(**values)
 
 
+def node_owners(text: str) -> dict[str, set[str]]:
+    """``identity.node-owners``: comma-separated ``<registered node name>=<client id>`` pairs
+    (a name may appear more than once) -> name -> the client ids that node may speak for."""
+    owners: dict[str, set[str]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, client_id = (p.strip() for p in item.partition("="))
+        if not sep or not name or not client_id:
+            raise ConfigError(f"identity.node-owners: {item!r} is not <node name>=<client id>")
+        owners.setdefault(name, set()).add(client_id)
+    return owners
+
+
 def at_most_local_epochs(name: str, epochs: int, local_epochs: int) -> None:
     """A method's phase length (``fedrep.head-epochs``, ``feddecomp.lora-epochs``) fits in
     ``local-epochs``."""
@@ -166,6 +179,15 @@ class RunSettings(KeyGroup):
     round_timeout: float = key("round-timeout", low=0, low_open=True)
     resume_from: str = key("resume-from")
     plot: bool = key("plot")
+    # trust boundaries (README "Security model")
+    node_owners: str = key("identity.node-owners")
+    require_registered: bool = key("identity.require-registered")
+    max_clients: int = key("identity.max-clients", low=1)
+    expire_rounds: int = key("identity.expire-rounds", low=0)
+    aggregation: str = key("aggregation.rule", choices=AGGREGATION_RULES)
+    trim_fraction: float = key("aggregation.trim-fraction", low=0, high=0.45)
+    clip_norm: float = key("aggregation.clip-norm", low=0)
+    max_num_examples: int = key("aggregation.max-num-examples", low=1)
     method_settings: Any = field(default=None, compare=False)
     raw: dict[str, Any] = field(repr=False, default_factory=dict, compare=False)
 
@@ -175,6 +197,7 @@ class RunSettings(KeyGroup):
         ``strategies/registry.py: load_settings`` for the whole run config)."""
         raw = dict(run_config)
         settings = dataclasses.replace(cls.parse(raw), raw=raw)
+        node_owners(settings.node_owners)
         device = settings.device
         if not (device in ("auto", "cpu", "cuda") or
                 (device.startswith("cuda:") and device[5:].isdigit())):

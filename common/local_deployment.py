@@ -47,12 +47,45 @@ def namespaces_available() -> bool:
         return False
 
 
+def write_node_key(private_path: Path) -> Path:
+    """A SuperNode key pair for ``--auth-supernode-private-key`` (ECDSA P-384, OpenSSH
+    format, as ``ssh-keygen -t ecdsa -b 384`` makes it); returns the public key's path."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    private_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.OpenSSH,
+                                               serialization.NoEncryption()))
+    private_path.chmod(0o600)
+    public_path = private_path.with_suffix(".pub")
+    public_path.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                          serialization.PublicFormat.OpenSSH))
+    return public_path
+
+
 class LocalDeployment(LocalFederation):
+    """``supernode_auth``: the SuperLink runs with ``--enable-supernode-auth`` (TLS needed),
+    and each site's key is registered (``flwr supernode register``) under the name
+    ``node_names[site]`` (default ``site-<k>``) before its SuperNode starts.
+    ``client_ids[site]``: the client id a site says it is (default ``site-<k>``);
+    ``start_sites``: the sites started on entering (default: all; start others with
+    ``start_site``)."""
+
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
-                 home: str | Path | None = None, namespaces: bool = False) -> None:
+                 home: str | Path | None = None, namespaces: bool = False,
+                 supernode_auth: bool = False, node_names: dict[int, str] | None = None,
+                 client_ids: dict[int, str] | None = None,
+                 start_sites: list[int] | None = None) -> None:
         super().__init__(home)
+        if supernode_auth and not certs_dir:
+            raise ValueError("SuperNode authentication needs TLS (certs_dir)")
         self.num_sites = num_sites
         self.certs_dir = Path(certs_dir) if certs_dir else None
+        self.supernode_auth = supernode_auth
+        self.node_names = {k: f"site-{k}" for k in range(num_sites)} | (node_names or {})
+        self.client_ids = {k: f"site-{k}" for k in range(num_sites)} | (client_ids or {})
+        self.start_sites = list(range(num_sites)) if start_sites is None else start_sites
         self.site_ports = [free_port() for _ in range(num_sites)]
         self.sites: dict[int, subprocess.Popen] = {}
         self.namespaces = namespaces
@@ -123,10 +156,14 @@ class LocalDeployment(LocalFederation):
             ["flower-superlink", *security, "--host",
              "0.0.0.0" if self.namespaces else "127.0.0.1", "--port",
              str(self.http_port), "--database", str(self.home / "state.db"),
-             "--disable-runtime-dependency-installation"], "superlink.log")
+             "--disable-runtime-dependency-installation",
+             *(["--enable-supernode-auth"] if self.supernode_auth else [])], "superlink.log")
         self._wait_healthy()
         for site in range(self.num_sites):
-            self.start_site(site)
+            if self.supernode_auth:
+                self.register_site(site)
+            if site in self.start_sites:
+                self.start_site(site)
         return self
 
     def _wait_healthy(self) -> None:
@@ -148,12 +185,26 @@ class LocalDeployment(LocalFederation):
         self.__exit__(None, None, None)
         raise RuntimeError("flower-superlink did not become healthy within 60 s")
 
+    def node_key(self, site: int) -> Path:
+        return self.home / f"site-{site}-key"
+
+    def register_site(self, site: int) -> None:
+        """Make the site's key pair and register its public key under its node name
+        (``flwr supernode register KEY.pub local --name NAME``)."""
+        public = write_node_key(self.node_key(site))
+        subprocess.run(["flwr", "supernode", "register", str(public), "local", "--name",
+                        self.node_names[site]], env=self.env, check=True,
+                       capture_output=True, text=True)
+
     def start_site(self, site: int) -> None:
         """Start (or restart) site ``site``'s SuperNode with its node config."""
         security = (["--root-certificates", str(self.certs_dir / "ca.crt")]
                     if self.certs_dir else ["--insecure"])
+        if self.supernode_auth:
+            security += ["--auth-supernode-private-key", str(self.node_key(site))]
         node_config = (f"partition-id={site} num-partitions={self.num_sites} "
-                       f"client-id='site-{site}' state-dir='{self.state_dir(site)}'")
+                       f"client-id='{self.client_ids[site]}' "
+                       f"state-dir='{self.state_dir(site)}'")
         prefix = ["ip", "netns", "exec", self.namespace(site)] if self.namespaces else []
         self.sites[site] = self._spawn(
             [*prefix, "flower-supernode", *security, "--superlink",

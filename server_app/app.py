@@ -12,7 +12,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.config import ConfigError, RunSettings
 from server_app.results import ResultsRecorder, output_dir
-from server_app.rounds import load_checkpoint, resume, run_rounds
+from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
 from strategies.registry import REGISTRY, load_settings
 from strategies.wire import WireSpec
 
@@ -51,6 +51,11 @@ def main(grid: Grid, context: Context) -> None:
     run_ids = [str(context.run_id)]  # this run and the runs it continues
     if settings.resume_from:
         checkpoint = load_checkpoint(settings.resume_from)
+        try:
+            check_resumable(checkpoint, settings.raw)
+        except ConfigError as error:
+            log(ERROR, "Invalid run config: %s", error)
+            raise ConfigError(str(error)) from None
         first_round, arrays = resume(checkpoint, strategy, recorder)
         earlier = [str(r) for r in checkpoint.get("run_ids", [])]
         run_ids = [*earlier, *run_ids]
@@ -58,7 +63,7 @@ def main(grid: Grid, context: Context) -> None:
         strategy.message_config = {"resume-round": checkpoint["round"]}
         if earlier:
             strategy.message_config["resume-runs"] = earlier
-    strategy.identify(grid)
+    strategy.identify(grid, first_round)
     arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
                         settings.num_server_rounds, run_ids)
     recorder.finish(strategy.after_training(grid, arrays))

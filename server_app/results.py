@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from datetime import UTC, datetime
 from logging import INFO
@@ -13,6 +11,7 @@ from typing import Any
 from flwr.common.logger import log
 
 from common.config import RunSettings
+from common.durable import write_json
 from common.record import RoundRecord
 from strategies.personalized import PersonalizedStrategy
 
@@ -24,12 +23,6 @@ def output_dir(settings: RunSettings) -> Path:
         return Path(settings.output_dir)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     return Path("outputs") / f"{stamp}-{settings.method}"
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
 
 
 class ResultsRecorder:
@@ -98,7 +91,7 @@ class ResultsRecorder:
                                  **self.strategy.state_tables()}}
 
     def write(self) -> None:
-        write_json_atomic(self.path, self.payload())
+        write_json(self.path, self.payload())
 
     def finish(self, extra: dict[str, Any] | None = None) -> None:
         """Final write (with ``extra``: the strategy's after-training results), plot, and the

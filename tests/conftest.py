@@ -23,6 +23,30 @@ def app_config(**overrides: Any) -> dict[str, Any]:
     return {**app_defaults(ROOT), **overrides}
 
 
+@pytest.fixture
+def server_task():
+    """Messages are made by a running ServerApp: Flower reads its run and node id."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def make_client(partition: int, run_config: dict[str, Any], **node: Any):
+    """A ClientApp ``Client`` of partition ``partition`` of 4 (node id 100 + partition), with
+    ``node`` added to its node config."""
+    from flwr.app import Context, RecordDict
+
+    from client_app.runtime import Client
+
+    return Client.from_context(Context(
+        run_id=1, node_id=100 + partition,
+        node_config={"partition-id": partition, "num-partitions": 4, **node},
+        state=RecordDict(), run_config=run_config))
+
+
 @pytest.fixture(scope="session")
 def federation():
     """One private simulation SuperLink for the whole session, stopped at the end."""

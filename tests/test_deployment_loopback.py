@@ -155,3 +155,55 @@ def test_a_stopped_run_resumes_to_the_same_results(tmp_path):
         assert a["train"]["loss"] == b["train"]["loss"]
     for key in ("accuracy_weighted", "accuracy_mean", "accuracy_min", "bytes_up_total"):
         assert expected["final"][key] == got["final"][key]
+
+
+def _impostor_checks(run, out: Path) -> list[dict]:
+    """Site 3 claims client id site-0: every claim is dropped, it never gets work, and the
+    genuine site-0 keeps its node, its downlink and its accuracy history."""
+    assert run.ok, run.output[-3000:]
+    results = read_results(out)
+    claims = [d for r in results["rounds"] for d in r.get("dropped", [])
+              if d["reason"] and "site-0" in d["reason"]]
+    assert claims, [r.get("dropped") for r in results["rounds"]]
+    assert {d["stage"] for d in claims} == {"identify"}  # refused nodes get no train/evaluate
+    impostor = {d["node"] for d in claims}
+    assert len(impostor) == 1
+    owners = results["server_state"]["node_to_client"]
+    assert sorted(owners.values()) == ["site-0", "site-1", "site-2"]
+    assert not impostor & {int(n) for n in owners}
+    for entry in results["rounds"]:
+        assert entry["train"]["num_clients"] == 3
+        assert sorted(entry["eval"]["per_client"]) == ["site-0", "site-1", "site-2"]
+    return claims
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_with_node_authentication_a_node_cannot_claim_another_sites_id(tmp_path):
+    """SuperNode authentication on: each site registered under its name; site 3 (registered
+    as site-3) says it is site-0."""
+    certs = tmp_path / "certs"
+    subprocess.run(["bash", str(ROOT / "deploy" / "make-certs.sh"), str(certs)], check=True,
+                   capture_output=True)
+    with LocalDeployment(4, certs_dir=certs, home=tmp_path / "home", supernode_auth=True,
+                         client_ids={3: "site-0"}) as deployment:
+        out = tmp_path / "out"
+        run = deployment.run(ROOT, {**CONFIG, "min-nodes": 4, "output-dir": str(out),
+                                    "identity.require-registered": True})
+    claims = _impostor_checks(run, out)
+    assert all("registered as site-3 may not speak for client id site-0" in d["reason"]
+               for d in claims)
+
+
+def test_without_authentication_a_second_live_node_cannot_take_an_id(tmp_path):
+    """No authentication (identities are self-declared): once site-0 is known, a second live
+    node claiming site-0 is refused instead of evicting it."""
+    out = tmp_path / "out"
+    with LocalDeployment(4, home=tmp_path / "home", client_ids={3: "site-0"},
+                         start_sites=[0, 1, 2]) as deployment:
+        runner, result = _in_background(deployment, {**CONFIG, "num-server-rounds": 3,
+                                                     "output-dir": str(out)})
+        _wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
+        deployment.start_site(3)
+        runner.join(1200)
+    claims = _impostor_checks(result["run"], out)
+    assert all("client id site-0 is held by live node" in d["reason"] for d in claims)

@@ -166,7 +166,9 @@ def test_server_mean_is_uniform_over_clients_by_default(weighting, expected):
     strategy = FedDecompStrategy(settings, initial_shared_arrays(settings),
                                  build_wire(settings))
     replies = [_reply("0", 1.0, 1), _reply("1", 5.0, 3)]
-    merged = strategy.aggregate_shared(1, replies, ArrayRecord())
+    start = ArrayRecord({"body.0.weight": Array(np.zeros((2, 3), np.float32)),
+                         "body.1.running_mean": Array(np.zeros(2, np.float32))})
+    merged = strategy.aggregate_shared(1, replies, start)
     for key in ("body.0.weight", "body.1.running_mean"):
         np.testing.assert_allclose(merged[key].numpy(), expected)
         assert merged[key].numpy().dtype == np.float32

@@ -9,13 +9,11 @@ import pytest
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
-    Context,
     Message,
     MessageType,
     MetricRecord,
     RecordDict,
 )
-from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.runtime import Client
 from common.protocol import (
@@ -30,16 +28,9 @@ from common.protocol import (
 from server_app.app import initial_state
 from strategies.personalized.replies import Exchange, valid_replies
 from strategies.registry import REGISTRY
-from tests.conftest import app_config
+from tests.conftest import app_config, make_client
 
-
-@pytest.fixture(autouse=True)
-def server_task() -> None:
-    """Messages are made by a running ServerApp: Flower reads its run and node id."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+pytestmark = pytest.mark.usefixtures("server_task")
 
 
 SCENARIOS = [
@@ -51,13 +42,6 @@ SCENARIOS = [
     ("feddecomp", {"feddecomp.bn-stats": "personal", "feddecomp.weighting": "examples"}),
     ("fedfac", {"fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
 ]
-
-
-def _client(partition: int, run_config: dict) -> Client:
-    return Client.from_context(Context(
-        run_id=1, node_id=100 + partition,
-        node_config={"partition-id": partition, "num-partitions": 4}, state=RecordDict(),
-        run_config=run_config))
 
 
 def _round_trip(strategy, clients: list[Client], server_round: int, arrays: ArrayRecord
@@ -90,7 +74,7 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
                               for m, o in SCENARIOS])
 def test_replies_built_from_the_wire_spec_pass_validation(method, overrides):
     run_config = app_config(method=method, **overrides)
-    clients = [_client(p, run_config) for p in range(4)]
+    clients = [make_client(p, run_config) for p in range(4)]
     settings = clients[0].settings
     initial, wire = initial_state(settings)
     strategy = REGISTRY[method].strategy(settings, initial, wire)
@@ -111,7 +95,7 @@ def test_a_reply_that_breaks_the_wire_spec_is_dropped():
     """The same path drops what the spec does not allow (here: a pFedC client claiming a task
     it sends no branch for)."""
     run_config = app_config(method="pfedc", partitioner="pathological")
-    client = _client(0, run_config)
+    client = make_client(0, run_config)
     initial, wire = initial_state(client.settings)
     strategy = REGISTRY["pfedc"].strategy(client.settings, initial, wire)
     identity = client.identity()

@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from common.config import RunSettings
-from common.protocol import NUM_EXAMPLES, ClientReply, client_order
+from common.protocol import ClientReply, client_order
 from strategies.factorized_fl.spec import FactorsShared
 from strategies.personalized import PersonalizedStrategy
 
@@ -46,6 +45,7 @@ def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float
 
 class FactorizedFLStrategy(PersonalizedStrategy):
     checkpointed = (*PersonalizedStrategy.checkpointed, "latest", "personal")
+    client_tables = (*PersonalizedStrategy.client_tables, "latest", "personal")
     wire: FactorsShared
 
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
@@ -72,8 +72,7 @@ class FactorizedFLStrategy(PersonalizedStrategy):
         self.report(server_round, "similarity", {
             "clients": clients, "matrix": similarity.round(4).tolist(),
             "weights": weights.round(4).tolist()})
-        plain = aggregate_arrayrecords([r.content for r in replies], NUM_EXAMPLES)
-        return ArrayRecord({k: plain[k] for k in keys})
+        return self.aggregate_keys(replies, keys, arrays)  # for clients not seen yet
 
     def downlink(self, server_round: int, client_id: str | None,
                  arrays: ArrayRecord) -> ArrayRecord:

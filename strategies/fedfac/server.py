@@ -49,16 +49,15 @@ from common.protocol import (
     ACTION,
     ARRAYS,
     CONFIG,
-    METRICS,
     NUM_PARTITIONS,
     PARTITION_ID,
     ClientReply,
-    claimed_client_id,
     client_order,
 )
 from fldata import synthetic_generator
 from strategies.fedfac.spec import MEMBER_PREFIX, SharedRows
 from strategies.personalized import PersonalizedStrategy
+from strategies.personalized.robust import combine
 from strategies.wire import Masks
 
 
@@ -115,6 +114,9 @@ def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
 
 
 # ---------------------------------------------------------------------- server
+AFTER_TRAINING = 0  # the ledger's record for replies after the last round (never a round)
+
+
 class FedFacStrategy(PersonalizedStrategy):
     checkpointed = (*PersonalizedStrategy.checkpointed, "split", "communalities")
     wire: SharedRows
@@ -201,20 +203,19 @@ class FedFacStrategy(PersonalizedStrategy):
                          arrays: ArrayRecord) -> ArrayRecord:
         if server_round > self.warmup_rounds and (self.split is None or not self.static):
             self._analyse(server_round, replies, arrays)
-        total = sum(r.num_examples for r in replies)
+        rows = {key: slice(None) if key not in self.layer_of_key or self.split is None
+                else self.split[self.layer_of_key[key]] for key in arrays}
+        cut = {key: slice(None) if self.sliced_uplink else rows[key] for key in rows}
+        old = {key: value.numpy() for key, value in arrays.items()}
+        # the shared rows by the run's aggregation rule (default: example-weighted mean)
+        mean = combine([{k: r.arrays[k].numpy()[cut[k]] for k in rows} for r in replies],
+                       [r.num_examples for r in replies],
+                       {k: old[k][rows[k]] for k in rows}, self.settings)
         merged = {}
-        for key, current in arrays.items():
-            old = current.numpy()
-            layer = self.layer_of_key.get(key)
-            rows = (slice(None) if layer is None or self.split is None else self.split[layer])
-            uploads = [r.arrays[key].numpy() for r in replies]
-            if layer is not None and not self.sliced_uplink:
-                uploads = [u[rows] for u in uploads]
-            mean = sum(u.astype(np.float64) * (r.num_examples / total)
-                       for u, r in zip(uploads, replies, strict=True))
-            new = old.astype(np.float64).copy()
-            new[rows] = new[rows] + self.server_lr * (mean - new[rows])
-            merged[key] = Array(new.astype(old.dtype))
+        for key, current in old.items():
+            new = current.astype(np.float64).copy()
+            new[rows[key]] = new[rows[key]] + self.server_lr * (mean[key] - new[rows[key]])
+            merged[key] = Array(new.astype(current.dtype))
         return ArrayRecord(merged)
 
     def downlink(self, server_round: int, client_id: str | None,
@@ -238,13 +239,15 @@ class FedFacStrategy(PersonalizedStrategy):
         if not excluded or self.split is None:
             return None
         existing = set(self.nodes.client_info) - excluded
-        personal = [r for _, r in self.query(grid, {n: RecordDict({CONFIG: ConfigRecord(
-            {ACTION: "fedfac.personal"})}) for n in self.nodes.nodes_of(existing)}).replies
-            if not r.has_error()]
+        # replies are validated like every other (dropped ones: under new_clients.dropped)
+        personal_spec = {k: self.shared_spec[k] for k in self.wire.always_personal}
+        personal = self.validate(AFTER_TRAINING, "fedfac.personal", self.query(
+            grid, {n: RecordDict({CONFIG: ConfigRecord({ACTION: "fedfac.personal"})})
+                   for n in self.nodes.nodes_of(existing)}), None, lambda _: personal_spec)
         downlink = self.downlink(0, None, arrays)
         members = dict(arrays.items())
         for i, reply in enumerate(personal):
-            for key, value in reply.content[ARRAYS].items():
+            for key, value in reply.arrays.items():
                 shared = self.split[self.layer_of_key[key]]
                 own = value.numpy().copy()
                 own[shared] = arrays[key].numpy()[shared]  # the final shared rows
@@ -256,12 +259,14 @@ class FedFacStrategy(PersonalizedStrategy):
                                 ("fedfac.ensemble", ArrayRecord(members))):
             batch = self.query(grid, {n: RecordDict({ARRAYS: payload, CONFIG: ConfigRecord(
                 {ACTION: action})}) for n in new_nodes})
-            per_client = {str(claimed_client_id(r)): float(r.content[METRICS]["accuracy"])
-                          for _, r in batch.replies if not r.has_error()}
+            per_client = {r.client_id: float(r.metrics["accuracy"]) for r in
+                          self.validate(AFTER_TRAINING, action, batch, ("accuracy",))}
             name = action.split(".")[1]
             report[name] = {"per_client": per_client,
                             "accuracy_mean": float(np.mean(list(per_client.values())))
                             if per_client else None}
+        if self.ledger.record(AFTER_TRAINING).dropped:
+            report["dropped"] = self.ledger.record(AFTER_TRAINING).dropped
         log(INFO, "fedfac new clients: LocalTrain %s, Ensemble %s",
             report["localtrain"]["accuracy_mean"], report["ensemble"]["accuracy_mean"])
         return {"new_clients": report}

@@ -6,40 +6,37 @@ itself is ``identity.NodeDirectory``.
 
 from __future__ import annotations
 
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
 from flwr.common.logger import log
 
-from common.protocol import ACTION, CLIENT, CLIENT_ID, CONFIG, EVALUATE_METRICS, IDENTIFY
+from common.protocol import ACTION, CONFIG, EVALUATE_METRICS, IDENTIFY
 
 
 class Admission:
-    def identify(self, grid: Any) -> None:
-        """Ask every connected node who it is, before the first round, so that everything
-        per client is keyed by client id from the start."""
+    def identify(self, grid: Any, server_round: int = 1) -> None:
+        """Ask every connected node who it is, before the first round (``server_round``: the
+        round its dropped replies are recorded under), so that everything per client is
+        keyed by client id from the start."""
         nodes = self.connected_nodes(grid)
-        self._identify_nodes(grid, nodes)
+        self._identify_nodes(grid, nodes, server_round)
         log(INFO, "identify: %d of %d nodes answered", len(self.nodes.client_info), len(nodes))
         self.resolve_pending()
 
-    def _identify_nodes(self, grid: Any, nodes: list[int]) -> None:
+    def _identify_nodes(self, grid: Any, nodes: list[int], server_round: int) -> None:
         """Ask ``nodes`` who they are. A node that does not reply at all is ``silent`` (not
-        sampled until it replies); one that replies without a client id (a ClientApp without
-        the ``identify`` query) is alive and is learned from its train replies instead."""
+        sampled until it replies); one whose reply is dropped (a ClientApp without the
+        ``identify`` query, a malformed reply) is alive and is learned from its train replies
+        instead, unless its claim was refused (``NodeDirectory.claim``)."""
         batch = self.query(grid, {n: RecordDict({CONFIG: ConfigRecord({ACTION: IDENTIFY})})
                                   for n in nodes})
         self.nodes.heard_from(nodes, [node for node, _ in batch.replies])
-        for node_id, reply in batch.replies:
-            info = (None if reply.has_error() else reply.content.config_records.get(CLIENT))
-            if info is None or not isinstance(info.get(CLIENT_ID), str):
-                log(WARNING, "identify: node %d did not answer (%s)", node_id,
-                    reply.error.reason if reply.has_error() else "no client id")
-                continue
-            client_id = str(info[CLIENT_ID])
-            self.nodes.identified(node_id, client_id, dict(info))
-            self.on_identified(client_id, dict(info))
+        for reply in self.validate(server_round, "identify", batch, None):
+            info = dict(reply.info)
+            self.nodes.identified(reply.node_id, reply.client_id, info)
+            self.on_identified(reply.client_id, info)
 
     def admit_new_nodes(self, server_round: int, stage: str, grid: Any, nodes: list[int],
                         arrays: ArrayRecord) -> None:
@@ -58,7 +55,7 @@ class Admission:
         if not new:
             return
         known = set(self.nodes.client_info)
-        self._identify_nodes(grid, new)
+        self._identify_nodes(grid, new, server_round)
         rejoined = {n: self.nodes.node_to_client[n] for n in new
                     if self.nodes.client_of(n) in known - self.nodes.excluded_clients}
         if not rejoined:

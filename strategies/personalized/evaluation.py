@@ -19,27 +19,33 @@ from dataclasses import asdict
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, Message, MessageType
+from flwr.app import ArrayRecord, MessageType, MetricRecord
 from flwr.common.logger import log
 
-from common.protocol import EVALUATE_METRICS, ClientReply, parse_reply
+from common.protocol import (
+    EVAL_ACCURACY,
+    EVAL_CPU,
+    EVAL_EXAMPLES,
+    EVALUATE_METRICS,
+    NUM_EXAMPLES,
+    ClientReply,
+    ReplyError,
+)
 from common.record import RoundRecord, personalized_stats
 
-EVAL_ACCURACY, EVAL_LOSS, EVAL_EXAMPLES = "eval-accuracy", "eval-loss", "eval-num-examples"
-EVAL_CPU = "eval-cpu-seconds"  # CPU time of the evaluation (``cpu-seconds``: the training)
-EVALUATE_FIRST = "evaluate-first"
 
-
-def fused_evaluation(node_id: int, reply: Message) -> tuple[ClientReply, tuple[float, int]]:
-    """(the reply, (accuracy, test examples)) of a train reply that carries the evaluation of
-    the model it received. Read on its own: a train reply dropped for its arrays still counts
-    for the evaluation. Raises ``ValueError`` if the envelope or the ``eval-*`` metrics are
-    missing or malformed."""
-    checked = parse_reply(node_id, reply, (EVAL_ACCURACY, EVAL_EXAMPLES))
-    accuracy, examples = checked.metrics[EVAL_ACCURACY], checked.metrics[EVAL_EXAMPLES]
+def fused_evaluation(reply: ClientReply) -> ClientReply:
+    """The evaluation a valid train reply carries, as an evaluate reply of the same client
+    (``num-examples``: its test examples, ``accuracy``, and ``eval-cpu-seconds``). Raises
+    ``ReplyError`` if the ``eval-*`` metrics are missing or malformed (their ranges are
+    checked with every metric, ``common.protocol.METRIC_RANGES``)."""
+    accuracy = reply.metrics.get(EVAL_ACCURACY)
+    examples = reply.metrics.get(EVAL_EXAMPLES)
     if not isinstance(accuracy, float) or not isinstance(examples, int) or examples <= 0:
-        raise ValueError(f"train reply lacks a valid {EVAL_ACCURACY}/{EVAL_EXAMPLES}")
-    return checked, (accuracy, examples)
+        raise ReplyError(f"train reply lacks a valid {EVAL_ACCURACY}/{EVAL_EXAMPLES}")
+    return ClientReply(reply.node_id, reply.client_id, ArrayRecord(), MetricRecord(
+        {NUM_EXAMPLES: examples, "accuracy": accuracy,
+         EVAL_CPU: float(reply.metrics.get(EVAL_CPU, 0.0))}), reply.info)
 
 
 class Evaluation:

@@ -25,6 +25,7 @@ from common.protocol import (
     claimed_client_id,
     client_order,
     parse_reply,
+    shown,
 )
 from strategies.personalized.accounting import RoundLedger
 from strategies.personalized.identity import NodeDirectory
@@ -76,30 +77,66 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> Exchange:
 
 
 def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
-                  batch: Exchange, metric_keys: tuple[str, ...], timeout: float,
-                  expected_arrays: Callable[[ClientReply], ArraySpec] | None = None
-                  ) -> list[ClientReply]:
+                  batch: Exchange, metric_keys: tuple[str, ...] | None, timeout: float,
+                  expected_arrays: Callable[[ClientReply], ArraySpec] | None = None,
+                  max_examples: int | None = None) -> list[ClientReply]:
     """The replies of ``batch`` that pass every check, in client order (reply order is
     arbitrary; a fixed order makes float sums, and runs, reproducible). Train replies' bytes
-    are counted whether or not they pass."""
-    for node_id in batch.missing():
+    are counted whether or not they pass.
+
+    Every exchange goes through here (train, evaluate, identify, a method's queries):
+    ``metric_keys`` None for a query (no metrics needed), ``expected_arrays`` the arrays the
+    reply must carry (None: it must carry none). Any exception while reading one reply drops
+    that reply, with its reason, and the rest go on; a reply whose client id its node may not
+    speak for (``NodeDirectory.claim``) is dropped likewise."""
+    missing = batch.missing()
+    nodes.missed(missing)
+    for node_id in missing:
         ledger.drop(server_round, stage, node_id, nodes.client_of(node_id) or "?",
                     f"no reply within round-timeout ({timeout:.0f} s)")
-    valid = []
+    nodes.answered(node for node, _ in batch.replies)
+    read: list[tuple[int, Message, ClientReply | Exception]] = []
     for node_id, reply in batch.replies:
         if stage == "train":
             ledger.uplink(server_round, reply)
         try:
-            checked = parse_reply(node_id, reply, metric_keys)
-            if expected_arrays is not None:
-                check_arrays(checked.arrays, expected_arrays(checked))
-        except ValueError as reason:  # ReplyError, or a wire spec refusing the reply's info
-            client_id = nodes.client_of(node_id) or claimed_client_id(reply) or "?"
-            ledger.drop(server_round, stage, node_id, client_id, str(reason))
+            read.append((node_id, reply, read_reply(node_id, reply, metric_keys,
+                                                    expected_arrays, max_examples)))
+        except Exception as error:  # whatever one reply holds, the round goes on
+            read.append((node_id, reply, error))
+    contested = nodes.contested([(n, r.client_id) for n, _, r in read
+                                 if isinstance(r, ClientReply)])
+    valid = []
+    for node_id, reply, checked in read:
+        try:
+            if isinstance(checked, Exception):
+                raise checked
+            if checked.client_id in contested:
+                raise ReplyError(f"client id {checked.client_id} is claimed by several nodes "
+                                 "at once, none of which holds it")
+            refused = nodes.claim(node_id, checked.client_id, server_round)
+            if refused is not None:
+                raise ReplyError(refused)
+        except Exception as error:
+            claimed = claimed_client_id(reply)
+            client_id = nodes.client_of(node_id) or (shown(claimed) if claimed else "?")
+            reason = (str(error) if isinstance(error, ReplyError)
+                      else f"{type(error).__name__}: {shown(str(error), 200)}")
+            ledger.drop(server_round, stage, node_id, client_id, reason)
             continue
-        nodes.learn(node_id, checked.client_id)
         valid.append(checked)
     return sorted(valid, key=lambda r: client_order(r.client_id))
+
+
+def read_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
+               expected_arrays: Callable[[ClientReply], ArraySpec] | None,
+               max_examples: int | None) -> ClientReply:
+    """One reply checked: its envelope (``parse_reply``), then its arrays against what the
+    method expects of it (the decoded, checked values replace the received ones)."""
+    checked = parse_reply(node_id, reply, metric_keys, max_examples)
+    checked.arrays = check_arrays(checked.arrays, expected_arrays(checked)
+                                  if expected_arrays is not None else {})
+    return checked
 
 
 __all__ = ["Exchange", "ReplyError", "exchange", "valid_replies"]

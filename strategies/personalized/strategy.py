@@ -12,13 +12,15 @@ A method changes the server side only through these hooks (``strategies/<method>
   arrays as they are);
 - ``uplink_masks()``: row masks the clients' uplinks are cut to this round (default: none);
 - ``aggregate_shared(server_round, replies, arrays)``: the new shared arrays from the valid
-  train replies (default: example-weighted mean);
+  train replies (default: the run's ``aggregation.*`` rule over all shared keys, ``robust.py``;
+  a method that averages over clients itself uses ``aggregate_keys`` or ``robust.combine``);
 - ``begin_round(server_round)``: before a round's train messages are built;
 - ``on_identified(client_id, info)``: a node said who it is;
 - ``after_training(grid, arrays)``: work after the last round, its result goes into
   results.json;
 - ``state_tables()``: per-client tables shown under ``server_state`` in results.json;
-- ``checkpointed``: the attributes saved in the checkpoint (a method adds its tables).
+- ``checkpointed``: the attributes saved in the checkpoint (a method adds its tables);
+- ``client_tables``: those of them keyed by client id (forgotten when an id expires).
 
 Per-round values go into results.json with ``report(server_round, name, value)``; run-level
 ones (``after_training``'s) are returned. Messages to nodes outside the regular exchanges (a
@@ -29,37 +31,33 @@ from __future__ import annotations
 
 import random
 import time
-from logging import WARNING
+from collections.abc import Callable
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from common.config import RunSettings
 from common.protocol import (
     ARRAYS,
     CONFIG,
+    EVAL_CPU,
+    EVALUATE_FIRST,
     EVALUATE_METRICS,
-    NUM_EXAMPLES,
     SERVER_ROUND,
     TRAIN_METRICS,
     ArraySpec,
     ClientReply,
-    claimed_client_id,
     client_order,
 )
 from strategies.personalized.accounting import RoundLedger
 from strategies.personalized.admission import Admission
-from strategies.personalized.evaluation import (
-    EVAL_CPU,
-    EVALUATE_FIRST,
-    Evaluation,
-    fused_evaluation,
-)
+from strategies.personalized.evaluation import Evaluation, fused_evaluation
 from strategies.personalized.identity import NodeDirectory, wait_for_nodes
-from strategies.personalized.replies import Exchange, exchange, valid_replies
+from strategies.personalized.replies import Exchange, ReplyError, exchange, valid_replies
+from strategies.personalized.robust import ExampleCounts, aggregate
 from strategies.wire import Masks, WireSpec
 
 
@@ -70,6 +68,10 @@ class PersonalizedStrategy(Admission, Evaluation):
     # Attributes saved in the server checkpoint and restored on resume; a method adds its
     # per-client tables (``(*PersonalizedStrategy.checkpointed, "split")``).
     checkpointed: tuple[str, ...] = ("per_client_accuracy",)
+    # The checkpointed attributes keyed by client id: bounded like the node directory's
+    # tables (``identity.max-clients``) and forgotten when a client id expires
+    # (``identity.expire-rounds``). A method adds its own (``"branches"``).
+    client_tables: tuple[str, ...] = ("per_client_accuracy",)
 
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
                  wire: WireSpec) -> None:
@@ -77,7 +79,8 @@ class PersonalizedStrategy(Admission, Evaluation):
         self.wire = wire
         self.global_arrays = initial_arrays  # the shared arrays the current round started from
         self.ledger = RoundLedger()
-        self.nodes = NodeDirectory()
+        self.nodes = NodeDirectory(settings)
+        self.example_counts = ExampleCounts()
         self.per_client_accuracy: dict[str, float] = {}
         # added to every train/evaluate message's config (resume lineage, see server_app)
         self.message_config: dict[str, Any] = {}
@@ -106,8 +109,9 @@ class PersonalizedStrategy(Admission, Evaluation):
 
     def aggregate_shared(self, server_round: int, replies: list[ClientReply],
                          arrays: ArrayRecord) -> ArrayRecord:
-        """New global shared arrays from the valid replies (default: weighted mean)."""
-        return aggregate_arrayrecords([r.content for r in replies], NUM_EXAMPLES)
+        """New global shared arrays from the valid replies (default: the run's
+        ``aggregation.*`` rule, ``robust.py``; by default the example-weighted mean)."""
+        return self.aggregate_keys(replies, list(arrays.keys()), arrays)
 
     def begin_round(self, server_round: int) -> None:
         """Before the round's train messages are built."""
@@ -124,6 +128,13 @@ class PersonalizedStrategy(Admission, Evaluation):
         return {}
 
     # ------------------------------------------------------------------ helpers for methods
+    def aggregate_keys(self, replies: list[ClientReply], keys: list[str],
+                       reference: ArrayRecord, uniform: bool = False) -> ArrayRecord:
+        """``keys`` of the replies' arrays by the run's ``aggregation.*`` rule (``reference``:
+        the arrays the round started from, for update clipping; ``uniform``: the mean counts
+        every client once instead of by examples)."""
+        return aggregate(replies, keys, reference, self.settings, uniform)
+
     def report(self, server_round: int, name: str, value: Any) -> None:
         """A per-round value of the method, shown in that round's entry of results.json."""
         self.ledger.report(server_round, name, value)
@@ -137,15 +148,32 @@ class PersonalizedStrategy(Admission, Evaluation):
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything this strategy needs to continue a run: its ``checkpointed``
-        attributes (picklable)."""
-        return {name: getattr(self, name) for name in self.checkpointed}
+        attributes (NumPy arrays, ``ArrayRecord``s and JSON values: see
+        ``common/durable.py``), when each client id was last heard from and the pinned
+        example counts."""
+        return {**{name: getattr(self, name) for name in self.checkpointed},
+                "last_seen": self.nodes.last_seen,
+                "example_counts": self.example_counts.pinned}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         for name in self.checkpointed:
             setattr(self, name, state[name])
+        self.nodes.last_seen = dict(state.get("last_seen", {}))
+        self.example_counts.pinned = dict(state.get("example_counts", {}))
+
+    def forget_expired(self, server_round: int) -> None:
+        """Drop the per-client tables of client ids not heard from for
+        ``identity.expire-rounds`` rounds."""
+        for client_id in self.nodes.expire(server_round):
+            for name in self.client_tables:
+                getattr(self, name).pop(client_id, None)
+            self.example_counts.pinned.pop(client_id, None)
+            log(INFO, "round %d: client id %s expired (not heard from for %d rounds)",
+                server_round, client_id, self.settings.expire_rounds)
 
     def connected_nodes(self, grid: Grid) -> list[int]:
-        return wait_for_nodes(grid, self.settings.min_nodes, self.settings.round_timeout)
+        return wait_for_nodes(grid, self.nodes, self.settings.min_nodes,
+                              self.settings.round_timeout)
 
     # ------------------------------------------------------------------ messages
     def _addressed(self, server_round: int, clients: dict[int, str | None], arrays: ArrayRecord,
@@ -188,14 +216,24 @@ class PersonalizedStrategy(Admission, Evaluation):
         return batch
 
     def validate(self, server_round: int, stage: str, batch: Exchange,
-                 metric_keys: tuple[str, ...], masks: Masks | None = None,
-                 arrays: bool = False) -> list[ClientReply]:
-        """The valid replies of ``batch`` (arrays checked against the wire spec's uplink
-        when ``arrays``)."""
-        expected = ((lambda reply: self.wire.uplink_spec(reply.info, masks)) if arrays
-                    else None)
-        return valid_replies(self.ledger, self.nodes, server_round, stage, batch, metric_keys,
-                             self.settings.round_timeout, expected)
+                 metric_keys: tuple[str, ...] | None,
+                 expected_arrays: Callable[[ClientReply], ArraySpec] | None = None
+                 ) -> list[ClientReply]:
+        """The replies of ``batch`` that pass validation (``replies.valid_replies``, the one
+        path for every exchange; ``metric_keys`` None: a query; ``expected_arrays`` None: the
+        reply must carry no arrays), with train and evaluate example counts bounded by each
+        client's first report (``robust.ExampleCounts``)."""
+        valid = valid_replies(self.ledger, self.nodes, server_round, stage, batch,
+                              metric_keys, self.settings.round_timeout, expected_arrays,
+                              max_examples=self.settings.max_num_examples)
+        if stage in ("train", "evaluate"):
+            self.example_counts.bound(stage, valid)
+        return valid
+
+    def uplink_expected(self) -> Callable[[ClientReply], ArraySpec]:
+        """What a train reply must carry: the wire spec's uplink, cut by this round's masks."""
+        masks = self.uplink_masks()
+        return lambda reply: self.wire.uplink_spec(reply.info, masks)
 
     # ------------------------------------------------------------------ rounds
     def train_round(self, grid: Grid, server_round: int, arrays: ArrayRecord
@@ -206,6 +244,7 @@ class PersonalizedStrategy(Admission, Evaluation):
         evaluate this round are drawn at its end."""
         fused = self.settings.fused_evaluation
         with self.ledger.server_cpu(server_round):
+            self.forget_expired(server_round)
             self.begin_round(server_round)
             trainers = self._pick(server_round, arrays, grid, self.settings.fraction_train,
                                   MessageType.TRAIN)
@@ -220,10 +259,10 @@ class PersonalizedStrategy(Admission, Evaluation):
         parts = self.send(grid, messages).by_type()
         with self.ledger.server_cpu(server_round):
             valid = self.validate(server_round, "train", parts[MessageType.TRAIN],
-                                  TRAIN_METRICS, self.uplink_masks(), arrays=True)
+                                  TRAIN_METRICS, self.uplink_expected())
             self.ledger.client_cpu(server_round, "train", valid)
             if evaluators:
-                self._fused_evaluation(previous, parts[MessageType.TRAIN],
+                self._fused_evaluation(previous, parts[MessageType.TRAIN], valid,
                                        parts[MessageType.EVALUATE], set(evaluators))
             updated = self._aggregate(server_round, valid)
         if fused:
@@ -232,27 +271,31 @@ class PersonalizedStrategy(Admission, Evaluation):
                                      arrays if updated is None else updated)
         return updated
 
-    def _fused_evaluation(self, server_round: int, train: Exchange, batch: Exchange,
+    def _fused_evaluation(self, server_round: int, train: Exchange,
+                          valid_train: list[ClientReply], batch: Exchange,
                           evaluators: set[int]) -> None:
-        """Round ``server_round``'s evaluation from the train replies of this exchange (their
-        ``eval-*`` metrics) and from its evaluate replies."""
+        """Round ``server_round``'s evaluation from this exchange: the ``eval-*`` metrics of
+        the evaluators' valid train replies (a dropped or missing train reply drops the
+        evaluation it carried) and the evaluate replies."""
         valid = self.validate(server_round, "evaluate", batch, EVALUATE_METRICS)
-        self.ledger.client_cpu(server_round, "evaluate", valid)
-        scores = self.scores_of(valid)
+        carried = {r.node_id: r for r in valid_train if r.node_id in evaluators}
         fused = []
-        for node_id, reply in train.replies:
+        for message in train.sent:
+            node_id = message.metadata.dst_node_id
             if node_id not in evaluators:
                 continue
+            client_id = self.nodes.client_of(node_id) or "?"
             try:
-                checked, scores_of_reply = fused_evaluation(node_id, reply)
-            except ValueError as reason:
-                self.ledger.drop(server_round, "evaluate", node_id,
-                                 self.nodes.client_of(node_id) or claimed_client_id(reply)
-                                 or "?", str(reason))
-                continue
-            scores[checked.client_id] = scores_of_reply
-            fused.append(checked)
+                if node_id not in carried:
+                    raise ReplyError("its train reply, which carries the evaluation, is "
+                                     "missing or was dropped")
+                fused.append(fused_evaluation(carried[node_id]))
+            except ReplyError as reason:
+                self.ledger.drop(server_round, "evaluate", node_id, client_id, str(reason))
+        self.example_counts.bound("evaluate", fused)  # their test examples
+        self.ledger.client_cpu(server_round, "evaluate", valid)
         self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
+        scores = self.scores_of(valid + fused)
         self.record_evaluation(server_round, dict(sorted(
             scores.items(), key=lambda kv: client_order(kv[0]))))
 

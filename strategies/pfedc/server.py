@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, RecordDict
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from flwr.app import Array, ArrayRecord
 
 from common.config import RunSettings
-from common.protocol import ARRAYS, METRICS, NUM_EXAMPLES, ClientReply
+from common.protocol import ClientReply
 from models.pfedc import branch_of_key
 from strategies.personalized import PersonalizedStrategy
 from strategies.pfedc.spec import HeldBranches
@@ -46,6 +45,7 @@ def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
 
 class PFedCStrategy(PersonalizedStrategy):
     checkpointed = (*PersonalizedStrategy.checkpointed, "task_weights", "branches")
+    client_tables = (*PersonalizedStrategy.client_tables, "task_weights", "branches")
     wire: HeldBranches
 
     def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
@@ -58,9 +58,7 @@ class PFedCStrategy(PersonalizedStrategy):
     def aggregate_shared(self, server_round: int, replies: list[ClientReply],
                          arrays: ArrayRecord) -> ArrayRecord:
         phi_keys = self.wire.phi_keys
-        phi = aggregate_arrayrecords([RecordDict({ARRAYS: ArrayRecord(
-            {k: r.arrays[k] for k in phi_keys}), METRICS: r.metrics}) for r in replies],
-            NUM_EXAMPLES)
+        phi = self.aggregate_keys(replies, phi_keys, arrays)
         for reply in replies:
             self.task_weights[reply.client_id] = self.wire.task_weights(reply.info)
             self.branches[reply.client_id] = {k: reply.arrays[k].numpy() for k in reply.arrays

@@ -66,7 +66,9 @@ class HeldBranches(WireSpec):
         """The ``pfedc.task-weights`` of a ``client`` record, checked."""
         weights = info.get(TASK_WEIGHTS)
         if (not isinstance(weights, list) or len(weights) != len(self.keys_of_task)
-                or any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0):
+                or any(isinstance(w, bool) or not isinstance(w, int | float)
+                       or not np.isfinite(w) or w < 0 for w in weights)
+                or sum(weights) <= 0):
             raise ValueError(f"{TASK_WEIGHTS} must list {len(self.keys_of_task)} "
                              "non-negative task weights, not all zero")
         return [float(w) for w in weights]

@@ -1,0 +1,337 @@
+"""Trust boundaries (README "Security model"): every malformed reply is dropped by the one
+validation path without stopping anything, client ids are bound to nodes, influence on the
+shared model is bounded, and state on disk is durable and loads without running code."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+
+from client_app.runtime import Client
+from common.config import ConfigError
+from common.durable import load_tree, save_tree
+from common.protocol import (
+    ARRAYS,
+    CLIENT,
+    CONFIG,
+    EVALUATE_METRICS,
+    METRICS,
+    NUM_EXAMPLES,
+    SERVER_ROUND,
+    TRAIN_METRICS,
+)
+from server_app.app import initial_state
+from server_app.rounds import check_resumable
+from strategies.personalized.replies import Exchange, valid_replies
+from strategies.personalized.robust import combine
+from strategies.registry import REGISTRY, load_settings
+from tests.conftest import app_config, make_client
+
+pytestmark = pytest.mark.usefixtures("server_task")
+
+
+def _strategy(method: str = "fedavg", **overrides):
+    settings = load_settings(app_config(method=method, **overrides))
+    initial, wire = initial_state(settings)
+    return REGISTRY[method].strategy(settings, initial, wire), initial
+
+
+def _honest_reply(client: Client, arrays: ArrayRecord) -> tuple[Message, RecordDict]:
+    message = Message(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
+                      dst_node_id=client.context.node_id, message_type=MessageType.TRAIN)
+    model = client.model(arrays)
+    identity = client.identity()
+    content = RecordDict({
+        ARRAYS: client.shared_arrays(model, arrays, identity),
+        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_train), "train-loss": 1.0,
+                               "cpu-seconds": 0.5}),
+        CLIENT: identity})
+    return message, content
+
+
+def _first(arrays: ArrayRecord) -> tuple[str, np.ndarray]:
+    key = next(iter(arrays.keys()))
+    return key, arrays[key].numpy()
+
+
+def _set_array(content: RecordDict, make) -> None:
+    key, value = _first(content[ARRAYS])
+    content[ARRAYS][key] = make(value)
+
+
+# Each case changes an honest train reply's content in place; the reason must mention `why`.
+TRAIN_CASES = {
+    "undecodable bytes": (lambda c: _set_array(c, lambda v: Array(
+        str(v.dtype), v.shape, "numpy.ndarray", b"\x93NUMPY garbage")), "decode"),
+    "not a numpy array": (lambda c: _set_array(c, lambda v: Array(
+        str(v.dtype), v.shape, "torch.Tensor", Array(v).data)), "not a NumPy array"),
+    "real shape differs": (lambda c: _set_array(c, lambda v: Array(
+        str(v.dtype), v.shape, "numpy.ndarray", Array(v.reshape(-1)).data)), "data of shape"),
+    "real dtype differs": (lambda c: _set_array(c, lambda v: Array(
+        str(v.dtype), v.shape, "numpy.ndarray", Array(v.astype(np.float64)).data)),
+        "float64 data"),
+    "huge declared shape": (lambda c: _set_array(c, lambda v: Array(
+        str(v.dtype), (10**9, 10**9), "numpy.ndarray", Array(v).data)), "shape"),
+    "missing arrays": (lambda c: c[ARRAYS].pop(_first(c[ARRAYS])[0]), "missing"),
+    "extra arrays": (lambda c: c[ARRAYS].__setitem__("evil", Array(np.zeros(3))), "unknown"),
+    "list train-loss": (lambda c: c[METRICS].__setitem__("train-loss", [0.1, 0.2]),
+                        "must be a number"),
+    "list cpu-seconds": (lambda c: c[METRICS].__setitem__("cpu-seconds", [1.0]),
+                         "must be a number"),
+    "nan train-loss": (lambda c: c[METRICS].__setitem__("train-loss", math.nan), "not finite"),
+    "1e12 examples": (lambda c: c[METRICS].__setitem__(NUM_EXAMPLES, 10**12), "exceeds"),
+    "superscript id": (lambda c: c[CLIENT].__setitem__("client-id", "\u00b2"), "safe id"),
+    "path id": (lambda c: c[CLIENT].__setitem__("client-id", "../../etc/passwd"), "safe id"),
+    "bytes id": (lambda c: c[CLIENT].__setitem__("client-id", b"\xff\xfe"), "string"),
+    "no partition-id": (lambda c: c[CLIENT].pop("partition-id"), "partition-id"),
+    "no metrics": (lambda c: c.pop(METRICS), "MetricRecord"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAIN_CASES))
+def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
+    strategy, initial = _strategy()
+    clients = [make_client(p, app_config()) for p in range(2)]
+    sent, replies = [], []
+    for client in clients:
+        message, content = _honest_reply(client, initial)
+        if client.partition_id == 1:
+            TRAIN_CASES[case][0](content)
+        sent.append(message)
+        replies.append((client.context.node_id, Message(content, reply_to=message)))
+    valid = valid_replies(strategy.ledger, strategy.nodes, 1, "train", Exchange(sent, replies),
+                          TRAIN_METRICS, 1.0, lambda r: strategy.wire.uplink_spec(r.info, None),
+                          max_examples=strategy.settings.max_num_examples)
+    assert [r.client_id for r in valid] == ["0"]
+    dropped = strategy.ledger.record(1).dropped
+    assert len(dropped) == 1 and dropped[0]["node"] == 101
+    assert TRAIN_CASES[case][1] in dropped[0]["reason"], dropped[0]["reason"]
+    assert "\n" not in dropped[0]["reason"] and "\n" not in dropped[0]["client"]
+    # the checked arrays are the decoded values, ready for aggregation
+    strategy.aggregate_shared(1, valid, initial)
+
+
+@pytest.mark.parametrize(("metric", "value"), [("accuracy", [0.5, 0.5]), ("loss", [1.0]),
+                                               ("accuracy", 1.5), ("loss", -1.0)])
+def test_a_malformed_evaluate_reply_is_dropped(metric, value):
+    strategy, _ = _strategy()
+    client = make_client(0, app_config())
+    message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}), dst_node_id=100,
+                      message_type=MessageType.EVALUATE)
+    metrics = {NUM_EXAMPLES: 10, "accuracy": 0.5, "loss": 1.0, metric: value}
+    reply = Message(RecordDict({METRICS: MetricRecord(metrics), CLIENT: client.identity()}),
+                    reply_to=message)
+    valid = valid_replies(strategy.ledger, strategy.nodes, 1, "evaluate",
+                          Exchange([message], [(100, reply)]), EVALUATE_METRICS, 1.0)
+    assert valid == []
+    assert metric in strategy.ledger.record(1).dropped[0]["reason"]
+
+
+def test_pfedc_task_weights_of_strings_are_dropped():
+    strategy, initial = _strategy("pfedc")
+    client = make_client(0, app_config(method="pfedc"))
+    message, content = _honest_reply(client, initial)
+    weights = list(content[CLIENT]["pfedc.task-weights"])
+    content[CLIENT]["pfedc.task-weights"] = ["x"] * len(weights)
+    valid = valid_replies(strategy.ledger, strategy.nodes, 1, "train",
+                          Exchange([message], [(100, Message(content, reply_to=message))]),
+                          TRAIN_METRICS, 1.0, lambda r: strategy.wire.uplink_spec(r.info, None))
+    assert valid == []
+    assert "pfedc.task-weights" in strategy.ledger.record(1).dropped[0]["reason"]
+
+
+def test_an_identify_reply_lacking_partition_entries_is_dropped_fedfac():
+    """FedFac reads partition-id/num-partitions of identify replies: the envelope check
+    drops a reply without them before ``on_identified`` sees it."""
+    strategy, _ = _strategy("fedfac")
+    message = Message(RecordDict({CONFIG: ConfigRecord({"action": "identify"})}),
+                      dst_node_id=100, message_type=MessageType.QUERY)
+    reply = Message(RecordDict({CLIENT: ConfigRecord({"client-id": "0"})}), reply_to=message)
+    valid = strategy.validate(1, "identify", Exchange([message], [(100, reply)]), None)
+    assert valid == [] and "partition-id" in strategy.ledger.record(1).dropped[0]["reason"]
+    assert strategy.nodes.client_info == {}
+
+
+# ---------------------------------------------------------------------- identity
+def _claims(strategy, nodes: dict[int, str], names: dict[int, str] | None = None,
+            server_round: int = 1) -> list[str]:
+    """Identify replies of ``nodes`` (node -> claimed id), through the validation path; the
+    client ids accepted."""
+    strategy.nodes.observe([SimpleNamespace(node_id=n, name=(names or {}).get(n, ""))
+                            for n in {*(strategy.nodes.live or ()), *nodes}])
+    sent, replies = [], []
+    for node, client_id in nodes.items():
+        message = Message(RecordDict({CONFIG: ConfigRecord({"action": "identify"})}),
+                          dst_node_id=node, message_type=MessageType.QUERY)
+        reply = Message(RecordDict({CLIENT: ConfigRecord({
+            "client-id": client_id, "partition-id": 0, "num-partitions": 1})}),
+            reply_to=message)
+        sent.append(message)
+        replies.append((node, reply))
+    return [r.client_id for r in strategy.validate(
+        server_round, "identify", Exchange(sent, replies), None)]
+
+
+def test_a_registered_node_speaks_only_for_its_name_or_its_mapped_ids():
+    strategy, _ = _strategy(**{"identity.node-owners": "gateway=site-7, gateway=site-8"})
+    names = {1: "site-0", 2: "site-1", 3: "gateway"}
+    assert _claims(strategy, {1: "site-0", 2: "site-0", 3: "site-7"}, names) == ["site-0",
+                                                                                  "site-7"]
+    reason = strategy.ledger.record(1).dropped[0]["reason"]
+    assert "registered as site-1 may not speak for client id site-0" in reason
+    assert _claims(strategy, {3: "site-0"}, names) == []  # not among gateway's ids
+    assert strategy.nodes.node_to_client == {1: "site-0", 3: "site-7"}
+
+
+def test_require_registered_refuses_nodes_without_a_name():
+    strategy, _ = _strategy(**{"identity.require-registered": True})
+    assert _claims(strategy, {1: "site-0"}) == []
+    assert "no registered name" in strategy.ledger.record(1).dropped[0]["reason"]
+
+
+def test_without_authentication_a_live_holder_is_not_evicted_but_a_dead_one_is():
+    strategy, _ = _strategy()
+    assert _claims(strategy, {1: "0"}) == ["0"]
+    assert _claims(strategy, {2: "0"}) == []  # node 1 is live and answered: refused
+    assert "held by live node 1" in strategy.ledger.record(1).dropped[0]["reason"]
+    assert strategy.nodes.samplable([1, 2]) == [1]  # the refused node gets no work
+    strategy.nodes.missed([1])  # node 1 missed a message (a SuperNode that died) ...
+    assert _claims(strategy, {2: "0"}, server_round=2) == ["0"]  # ... its client rejoins
+    assert strategy.nodes.samplable([1, 2]) == [2]
+    strategy.nodes.observe([SimpleNamespace(node_id=2, name="")])  # node 1 is gone
+    assert _claims(strategy, {3: "0"}, server_round=3) == []  # node 2 is live
+
+
+def test_simultaneous_claims_of_a_free_id_are_all_refused():
+    strategy, _ = _strategy()
+    assert _claims(strategy, {1: "0", 2: "0", 3: "1"}) == ["1"]
+    reasons = [d["reason"] for d in strategy.ledger.record(1).dropped]
+    assert len(reasons) == 2 and all("several nodes" in r for r in reasons)
+
+
+def test_client_ids_are_capped_and_expire_with_their_tables():
+    strategy, _ = _strategy("pfedc", **{"identity.max-clients": 2,
+                                        "identity.expire-rounds": 3})
+    assert _claims(strategy, {1: "a", 2: "b", 3: "c"}) == ["a", "b"]
+    assert "max-clients=2" in strategy.ledger.record(1).dropped[0]["reason"]
+    strategy.per_client_accuracy.update({"a": 0.5, "b": 0.6})
+    strategy.task_weights.update({"a": [1.0], "b": [1.0]})
+    assert _claims(strategy, {2: "b"}, server_round=4) == ["b"]
+    strategy.forget_expired(5)  # "a" last heard from in round 1
+    assert set(strategy.per_client_accuracy) == set(strategy.task_weights) == {"b"}
+    assert strategy.nodes.client_of(1) is None
+    assert _claims(strategy, {3: "c"}, server_round=5) == ["c"]  # room again
+
+
+def test_example_counts_are_pinned_at_the_first_report():
+    strategy, _ = _strategy()
+    client = make_client(0, app_config())
+    for server_round, examples in ((1, 50), (2, 5000)):
+        message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
+                          dst_node_id=100, message_type=MessageType.EVALUATE)
+        reply = Message(RecordDict({METRICS: MetricRecord({
+            NUM_EXAMPLES: examples, "accuracy": 0.5, "loss": 1.0}), CLIENT: client.identity()}),
+            reply_to=message)
+        valid = strategy.validate(server_round, "evaluate",
+                                         Exchange([message], [(100, reply)]), EVALUATE_METRICS)
+        assert valid[0].num_examples == 50
+
+
+# ---------------------------------------------------------------------- robust rules
+@pytest.mark.parametrize(("rule", "clip"), [("median", 0.0), ("trimmed-mean", 0.0),
+                                            ("mean", 1.0)])
+def test_robust_rules_bound_one_attacker(rule, clip):
+    settings = load_settings(app_config(**{"aggregation.rule": rule,
+                                           "aggregation.clip-norm": clip,
+                                           "aggregation.trim-fraction": 0.2}))
+    start = {"w": np.zeros(4)}
+    honest = [{"w": np.full(4, 0.1 + 0.01 * i)} for i in range(4)]
+    attacker = {"w": np.full(4, -1000.0)}
+    out = combine([*honest, attacker], [10] * 5, start, settings)["w"]
+    if clip:  # every update is at most 1.0 long: the attacker moves the mean by <= 0.2
+        assert np.linalg.norm(out - np.mean([h["w"] for h in honest], 0) * 0.8) <= 0.2 + 1e-9
+    else:
+        assert np.all((out >= 0.1) & (out <= 0.13))
+
+
+# ---------------------------------------------------------------------- durable state
+def test_a_checkpoint_tree_round_trips_and_loads_no_pickle(tmp_path):
+    tree = {"round": 3, "random": (3, tuple(range(5)), None), "arrays": {"w": np.eye(2)},
+            "strategy": {"personal": {"0": ArrayRecord({"b": Array(np.ones(3, np.float32))})},
+                         "split": {"body.0": np.array([True, False])}}, "rounds": [{"x": 1.5}]}
+    save_tree(tmp_path / "c.npz", tree)
+    back = load_tree(tmp_path / "c.npz")
+    assert back["random"] == tree["random"] and back["rounds"] == tree["rounds"]
+    assert np.array_equal(back["arrays"]["w"], np.eye(2))
+    assert np.array_equal(back["strategy"]["personal"]["0"]["b"].numpy(), np.ones(3))
+    assert back["strategy"]["split"]["body.0"].dtype == bool
+    np.savez(tmp_path / "evil.npz", __tree__=np.frombuffer(b"{}", np.uint8),
+             a0=np.array([{"a": 1}, None], dtype=object))
+    with pytest.raises(ValueError, match="allow_pickle"):
+        load_tree(tmp_path / "evil.npz")
+
+
+def test_a_truncated_personal_state_falls_back_to_the_previous_round(tmp_path, caplog):
+    config = app_config(method="fedper")
+    client = make_client(0, config, **{"state-dir": str(tmp_path)})
+    initial, _ = initial_state(client.settings)
+    model = client.model(initial)
+    client.keep_personal(model, initial, initial, server_round=1)
+    first = {k: v.clone() for k, v in client.context.state["personal-state"]
+             .to_torch_state_dict().items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    client.keep_personal(model, initial, initial, server_round=2)
+    path = tmp_path / "0.pt"
+    path.write_bytes(path.read_bytes()[:100])  # a torn write
+    fresh = make_client(0, config, **{"state-dir": str(tmp_path)})
+    with caplog.at_level(logging.WARNING):
+        state = fresh.personal_state(up_to_round=2)
+    assert state and all(torch.equal(state[k], first[k]) for k in first)
+    assert "does not load" in caplog.text and "previous round" in caplog.text
+    # the next save does not move the broken file over the good previous one
+    fresh.keep_personal(model, initial, initial, server_round=3)
+    assert torch.load(tmp_path / "0.prev.pt", weights_only=True)["round"] == 1
+
+
+def test_an_unsafe_client_id_in_the_node_config_is_refused():
+    with pytest.raises(ConfigError, match="client-id"):
+        make_client(0, app_config(), **{"client-id": "../x"})
+
+
+def test_a_resume_with_another_run_config_is_refused_naming_the_keys():
+    checkpoint = {"method": "fedavg", "config": app_config()}
+    check_resumable(checkpoint, {**app_config(), "num-server-rounds": 20,
+                                 "aggregation.rule": "median", "resume-from": "x"})
+    with pytest.raises(ConfigError) as error:
+        check_resumable(checkpoint, {**app_config(), "seed": 7, "dataset": "mnist"})
+    message = str(error.value)
+    assert "dataset ('digits' -> 'mnist'), seed (42 -> 7)" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("lr", math.nan, "lr: nan is not a finite number"),
+    ("aggregation.clip-norm", math.inf, "not a finite number"),
+    ("plot", 1, "plot: expected bool"),
+    ("permute-labels", "yes", "permute-labels: expected bool"),
+    ("identity.require-registered", 0, "expected bool"),
+    ("identity.node-owners", "a-b", "is not <node name>=<client id>"),
+])
+def test_config_rejects_non_finite_numbers_and_untyped_booleans(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_settings(app_config(**{key: value}))
