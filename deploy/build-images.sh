@@ -130,7 +130,7 @@ else
         'import sys; print("cp%d%d" % sys.version_info[:2])')
 fi
 fill_wheelhouse "$tag"
-wheels=$(ls "deploy/wheelhouse/$tag" 2> /dev/null | grep -c '\.whl$' || true)
+wheels=$(ls "deploy/wheelhouse/$tag" 2> /dev/null | grep '\.whl$' | sha256sum | cut -c1-16)
 deps=$(requirements)
 for component in "${stand_ins[@]}"; do
   inputs=$( { cat deploy/flower.Dockerfile deploy/pip-install.sh
