@@ -8,12 +8,13 @@ cd "$(dirname "$0")/.."
 dir="${PFLOWER_DIR:-deploy}"
 connection=$1 sites=3
 [ "${2:-}" = --sites ] && sites=$3
-registered=$(flwr supernode list "$connection" --format json 2> /dev/null || true)
 for ((i = 0; i < sites; i++)); do
-  key=$(cut -d' ' -f1,2 "$dir/keys/site-$i.pub")
-  if grep -qF "${key#* }" <<< "$registered"; then
+  if out=$(flwr supernode register "$dir/keys/site-$i.pub" "$connection" --name "site-$i" 2>&1); then
+    echo "site-$i: registered"
+  elif grep -q "already in use" <<< "$out"; then
     echo "site-$i: already registered"
-    continue
+  else
+    echo "$out" >&2
+    exit 1
   fi
-  flwr supernode register "$dir/keys/site-$i.pub" "$connection" --name "site-$i"
 done

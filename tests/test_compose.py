@@ -107,8 +107,9 @@ def test_tls_profile_authenticates_supernodes(tmp_path):
             "--node-config", "partition-id=0 num-partitions=3 client-id='intruder'",
             check=False)
         log = refused.stdout + refused.stderr
-        assert refused.returncode != 0, log
-        assert "intruder" not in stack.docker("logs", stack.container("superlink-tls")).stdout
+        assert refused.returncode != 0 and "Failed to activate SuperNode" in log, log
+        link = stack.docker("logs", stack.container("superlink-tls"))
+        assert "[/v1/fleet/activate-node][ApiError:2004]" in link.stdout + link.stderr
 
         run = stack.run(ROOT, {**CONFIG, "output-dir": "outputs/tls"})
         assert run.ok, run.output[-3000:]
