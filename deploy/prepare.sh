@@ -37,6 +37,12 @@ for ((i = 0; i < sites; i++)); do
 done
 private=() public=()
 if [ "$tls" = 1 ]; then
+  for tool in openssl:openssl ssh-keygen:openssh-client; do
+    command -v "${tool%%:*}" > /dev/null && continue
+    [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null \
+      || { echo "prepare: ${tool%%:*} is missing (package ${tool#*:})" >&2; exit 1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${tool#*:}" > /dev/null
+  done
   [ -f "$dir/certs/ca.crt" ] || bash deploy/make-certs.sh --sites "$sites" "$dir/certs" > /dev/null
   mkdir -p "$dir/keys" "$dir/secrets"
   [ -f "$dir/secrets/serverapp" ] || (umask 077; head -c 32 /dev/urandom > "$dir/secrets/serverapp")
