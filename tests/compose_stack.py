@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,14 @@ class ComposeStack(LocalFederation):
         while runner.is_alive():
             runner.join(1.0)
         return result["run"]
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        """Until the SuperLink answers the CLI (after a ``compose up``)."""
+        deadline = time.monotonic() + timeout
+        while subprocess.run(["flwr", "ls"], env=self.env, capture_output=True,
+                             check=False).returncode != 0:
+            assert time.monotonic() < deadline, "the SuperLink did not answer"
+            time.sleep(1)
 
     def container(self, service: str) -> str:
         """The id of the service's container (running or not)."""

@@ -59,6 +59,7 @@ def test_insecure_profile_runs_survives_a_killed_site_and_resumes_after_down(tmp
         stack.compose("down")
         assert (out / "checkpoint.pkl").exists() and (out / "results.json").exists()
         stack.compose("up", "-d", "--no-build")
+        stack.wait_ready()
 
         resumed = stack.output("resumed")
         runner, result = run_in_background(stack, {
@@ -70,7 +71,7 @@ def test_insecure_profile_runs_survives_a_killed_site_and_resumes_after_down(tmp
         restarted = time.time()
         stack.start("supernode-2")                    # new node id, empty context
         runner.join(1800)
-        run = result["run"]
+        run = result["run"]  # (a run that never started fails here, not at a wait above)
         assert run.ok, run.output[-3000:]
         assert "[resume] from round 3" in run.output
         rounds = {r["round"]: r for r in read_results(resumed)["rounds"]}
