@@ -65,13 +65,15 @@ def test_insecure_profile_runs_survives_a_killed_site_and_resumes_after_down(tmp
         runner, result = run_in_background(stack, {
             **CONFIG, "num-server-rounds": 6, "min-nodes": 2, "round-timeout": 240.0,
             "output-dir": "outputs/resumed", "resume-from": "outputs/first"})
-        wait_for(lambda: "[round 4/6]" in stack.server_log(), 900, poll=2)
+        wait_for(lambda: not runner.is_alive() or "[round 4/6]" in stack.server_log(), 900,
+                 poll=2)
+        assert runner.is_alive(), result["run"].output[-3000:]
         stack.kill("supernode-2")                     # SIGKILL, mid-round
         wait_for(lambda: "(client site-2)" in stack.server_log(), 600, poll=2)
         restarted = time.time()
         stack.start("supernode-2")                    # new node id, empty context
         runner.join(1800)
-        run = result["run"]  # (a run that never started fails here, not at a wait above)
+        run = result["run"]
         assert run.ok, run.output[-3000:]
         assert "[resume] from round 3" in run.output
         rounds = {r["round"]: r for r in read_results(resumed)["rounds"]}
