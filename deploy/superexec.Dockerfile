@@ -1,9 +1,13 @@
-# The app's dependencies on Flower's official SuperExec image, pinned to the project's flwr.
-# The app code itself arrives as a FAB with each `flwr run`; only dependencies live here.
+# The app's dependencies on Flower's official SuperExec image (or its stand-in, see
+# deploy/build-images.sh), pinned to the project's flwr. The app code itself arrives as a FAB
+# with each `flwr run`; only dependencies live here. Build context: the repository root (see
+# .dockerignore); BuildKit (docker compose build, or deploy/build-images.sh).
 FROM flwr/superexec:1.41.0
-WORKDIR /app
-COPY --chown=app:app pyproject.toml .
-# flwr is already in the image (same version); install the rest of the dependencies.
-RUN sed -i 's/.*"flwr\[simulation\]==.*//' pyproject.toml \
- && python -m pip install --no-cache-dir .
+# flwr is already in the image (same version): install the other dependencies, from
+# deploy/wheelhouse when it has wheels for the image's Python, else from PyPI.
+RUN --mount=type=bind,source=pyproject.toml,target=/tmp/pyproject.toml \
+    --mount=type=bind,source=deploy/wheelhouse,target=/wheels \
+    --mount=type=bind,source=deploy/pip-install.sh,target=/tmp/pip-install.sh \
+    --mount=type=secret,id=pip-cert,mode=0444 \
+    sh /tmp/pip-install.sh --deps-of /tmp/pyproject.toml
 ENTRYPOINT ["flower-superexec"]

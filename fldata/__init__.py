@@ -191,6 +191,19 @@ def _hub_partition(settings: RunSettings, partition_id: int,
     return arrays_from_hf(fds.load_partition(partition_id, "train"), info.label_column)
 
 
+def partition_arrays(settings: RunSettings, partition_id: int,
+                     num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Partition ``partition_id`` of the run's dataset (train and test together)."""
+    if settings.dataset == "synthetic-fedfac":
+        return synthetic_generator(settings).client(
+            settings.seed, partition_id, SyntheticSettings.parse(settings.raw).num_samples)
+    if (source := pool_source(settings)) is None:
+        return _hub_partition(settings, partition_id, num_partitions)
+    x_pool, y_pool = _checked_pool(settings, source)
+    idx = partition_indices(y_pool, settings, partition_id, num_partitions)
+    return x_pool[idx], y_pool[idx]
+
+
 def load_client_data(settings: RunSettings, partition_id: int, num_partitions: int,
                      data_dir: str | None = None, cache_dir: Path | None = None) -> ClientData:
     """One client's train/test split.
@@ -225,15 +238,8 @@ def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_cl
            data_dir: str | None) -> dict[str, np.ndarray]:
     if data_dir:
         x, y = load_local(Path(data_dir))
-    elif settings.dataset == "synthetic-fedfac":
-        x, y = synthetic_generator(settings).client(
-            settings.seed, partition_id, SyntheticSettings.parse(settings.raw).num_samples)
-    elif (source := pool_source(settings)) is None:
-        x, y = _hub_partition(settings, partition_id, num_partitions)
     else:
-        x_pool, y_pool = _checked_pool(settings, source)
-        idx = partition_indices(y_pool, settings, partition_id, num_partitions)
-        x, y = x_pool[idx], y_pool[idx]
+        x, y = partition_arrays(settings, partition_id, num_partitions)
     # Split before permuting, so that permute-labels changes the labels and nothing else.
     train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
     if settings.permute_labels:

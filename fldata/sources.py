@@ -145,17 +145,39 @@ def idx_pool(directory: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return normalise_images(images), labels.astype(np.int64)
 
 
+def _saved_by_datasets(path: Path) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def resolve_local(path: str | Path) -> Path:
+    """The dataset a local path means: the path itself when it is an ``.npz`` or a saved
+    ``datasets`` directory, else the one such entry inside the directory (a site's mounted
+    data folder holding ``train.npz``, say)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset: no such file or directory: {path}")
+    if not path.is_dir() or _saved_by_datasets(path) or holds_idx(path):
+        return path
+    found = sorted(p for p in path.iterdir() if not p.name.startswith(".") and (
+        (p.suffix == ".npz" and p.is_file()) or (p.is_dir() and _saved_by_datasets(p))))
+    if len(found) != 1:
+        raise FileNotFoundError(
+            f"dataset: {path} holds {len(found)} datasets ({', '.join(p.name for p in found)})"
+            "; it must be an .npz or a datasets.save_to_disk folder, or hold exactly one")
+    return found[0]
+
+
 def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray]:
     """A dataset on local disk, for air-gapped devices.
 
     Either a ``.npz`` file with arrays ``x`` (N, C, H, W) or (N, D) and ``y`` (N,), a
     directory holding the four MNIST-layout IDX files (the train split is used, see
-    ``idx_pool``), or a directory written by ``datasets.Dataset.save_to_disk`` (a
-    ``DatasetDict``'s ``train`` split is used).
+    ``idx_pool``), a directory written by ``datasets.Dataset.save_to_disk`` (a
+    ``DatasetDict``'s ``train`` split is used), or a directory holding exactly one ``.npz``
+    or saved dataset (see ``resolve_local``).
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"dataset: no such file or directory: {path}")
+    path = resolve_local(path)
     if path.suffix == ".npz":
         with np.load(path) as data:
             return data["x"].astype(np.float32), data["y"].astype(np.int64)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +133,20 @@ def moves_per_epoch(client) -> tuple[list[set[str]], set[str]]:
 
 def read_results(out_dir: Path) -> dict[str, Any]:
     return json.loads((out_dir / "results.json").read_text())
+
+
+def wait_for(predicate, timeout: float, poll: float = 1.0) -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(poll)
+
+
+def run_in_background(federation: Any, config: dict) -> tuple[threading.Thread, dict]:
+    """``federation.run(ROOT, config)`` in a thread; its FlowerRun lands in ``result["run"]``
+    once the thread is joined."""
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run=federation.run(ROOT, config)))
+    runner.start()
+    return runner, result

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 
 from common.local_deployment import LocalDeployment, namespaces_available
 from server_app.rounds import load_checkpoint
-from tests.conftest import read_results
+from tests.conftest import read_results, run_in_background, wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,20 +70,6 @@ def _rounds_done(out: Path) -> int:
     return len(read_results(out)["rounds"]) if path.exists() else 0
 
 
-def _wait_for(predicate, timeout: float, poll: float = 1.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(poll)
-
-
-def _in_background(deployment: LocalDeployment, config: dict) -> tuple[threading.Thread, dict]:
-    result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(run=deployment.run(ROOT, config)))
-    runner.start()
-    return runner, result
-
-
 def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     out = tmp_path / "out"
     timeout = 60.0
@@ -94,13 +78,13 @@ def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 2,
               "round-timeout": timeout, "output-dir": str(out), "fused-evaluation": False}
     with LocalDeployment(3, home=tmp_path / "home") as deployment:
-        runner, result = _in_background(deployment, config)
-        _wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
+        runner, result = run_in_background(deployment, config)
+        wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
         deployment.kill_site(2)                       # SIGKILL, mid-run
         # the round of the newest personal state site-2 had on disk when it died
         killed_round = max(torch.load(path, weights_only=True)["round"] for path in
                            deployment.state_dir(2).glob("site-2*.pt"))
-        _wait_for(lambda: _rounds_done(out) >= killed_round + 2, 900)
+        wait_for(lambda: _rounds_done(out) >= killed_round + 2, 900)
         deployment.start_site(2)                      # new node id, empty context.state
         runner.join(1200)
         run = result["run"]
@@ -135,8 +119,8 @@ def test_a_stopped_run_resumes_to_the_same_results(tmp_path):
     with LocalDeployment(3, home=tmp_path / "home") as deployment:
         uninterrupted = deployment.run(ROOT, {**base, "output-dir": str(full)})
         assert uninterrupted.ok, uninterrupted.output[-3000:]
-        runner, result = _in_background(deployment, {**base, "output-dir": str(stopped)})
-        _wait_for(lambda: _rounds_done(stopped) >= 1, 900, poll=0.2)
+        runner, result = run_in_background(deployment, {**base, "output-dir": str(stopped)})
+        wait_for(lambda: _rounds_done(stopped) >= 1, 900, poll=0.2)
         running = [r["run-id"] for r in deployment.runs() if r["status"] == "running"]
         assert len(running) == 1, deployment.runs()
         deployment.stop(running[0])
@@ -200,9 +184,9 @@ def test_without_authentication_a_second_live_node_cannot_take_an_id(tmp_path):
     out = tmp_path / "out"
     with LocalDeployment(4, home=tmp_path / "home", client_ids={3: "site-0"},
                          start_sites=[0, 1, 2]) as deployment:
-        runner, result = _in_background(deployment, {**CONFIG, "num-server-rounds": 3,
+        runner, result = run_in_background(deployment, {**CONFIG, "num-server-rounds": 3,
                                                      "output-dir": str(out)})
-        _wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
+        wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
         deployment.start_site(3)
         runner.join(1200)
     claims = _impostor_checks(result["run"], out)

@@ -31,6 +31,11 @@ MUST_BE_IGNORED = [
     "deploy/state/state.db",
     "deploy/sites/site-0/state/0.pt",
     "deploy/sites/site-0/data/train.npz",
+    "deploy/outputs/first/checkpoint.pkl",
+    "deploy/secrets/site-0",
+    "deploy/flwr-home/config.toml",
+    "deploy/engine/dockerd.log",
+    "deploy/wheelhouse/cp311/torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl",
     "certs/ca.crt",
     "device-key.pem",
 ]

@@ -62,6 +62,30 @@ def test_local_directory_and_npz_datasets(tmp_path):
         load_local(tmp_path / "missing")
 
 
+def test_a_data_folder_holding_one_dataset_is_that_dataset(tmp_path):
+    """A SuperNode's data-dir is a mounted folder: an .npz or a saved dataset inside it is
+    found; a folder holding none or several is refused with what it holds."""
+    datasets = pytest.importorskip("datasets")
+    x = np.zeros((6, 1, 8, 8), np.float32)
+    site = tmp_path / "site"
+    site.mkdir()
+    with pytest.raises(FileNotFoundError, match="holds 0 datasets"):
+        load_local(site)
+    np.savez(site / "train.npz", x=x, y=np.arange(6) % 2)
+    (site / ".hidden.npz").write_bytes(b"")  # dot files are ignored
+    assert load_local(site)[1].tolist() == [0, 1, 0, 1, 0, 1]
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(
+        {"image": list(np.zeros((3, 8, 8), np.uint8)), "label": [2, 1, 0]})}).save_to_disk(
+        str(saved / "device-data"))
+    assert load_local(saved)[1].tolist() == [2, 1, 0]
+    datasets.Dataset.from_dict({"image": list(np.zeros((2, 8, 8), np.uint8)),
+                                "label": [1, 1]}).save_to_disk(str(saved / "other"))
+    with pytest.raises(FileNotFoundError, match="holds 2 datasets"):
+        load_local(saved)
+
+
 def test_hub_datasets_are_declared_with_their_shapes():
     assert {"mnist", "fashion-mnist", "cifar10", "cifar100", "svhn"} <= set(DATASETS)
     assert all(info.hub_id for name, info in DATASETS.items()
