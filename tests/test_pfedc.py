@@ -182,7 +182,8 @@ def test_one_task_is_fedavg_with_one_shared_head():
     for key, value in renamed.items():
         np.testing.assert_allclose(value.numpy(), results[0][key].numpy(), rtol=1e-5,
                                    atol=1e-6)
-    strategy = _strategy(**{"pfedc.tasks": 1})
+    # counts as task weights (pfedc.weighting = "counts"): the head's mean is FedAvg's
+    strategy = _strategy(**{"pfedc.tasks": 1, "pfedc.weighting": "counts"})
     strategy.task_weights = {"0": [10.0], "1": [30.0]}
     strategy.branches = {c: {"head.branches.0.bias": np.full(10, v, np.float32)}
                          for c, v in (("0", 1.0), ("1", 2.0))}
