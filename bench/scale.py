@@ -12,6 +12,7 @@
 Per run: median seconds per round (rounds 2..), the peak resident memory of the process that
 runs the ServerApp (``flwr-simulation``) and of the largest Ray worker, sampled every 0.5 s,
 and the server's per-client state: the bytes of the strategy's checkpointed per-client tables
+(every dict keyed by client id in its checkpoint, stored as the checkpoint stores them)
 divided by the number of clients they cover. Writes ``bench/results/scale.md`` and ``.json``.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import statistics
 import sys
 import tempfile
@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, write_report  # noqa: E402
+from common.durable import load_tree, save_tree  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
+from server_app.rounds import CHECKPOINT  # noqa: E402
 
 MB = 1024**2
 POOL_SIZE = 20_000
@@ -86,14 +88,16 @@ def fashion_pool(path: Path) -> Path:
 
 
 def per_client_state(out: Path) -> tuple[int, int]:
-    """(bytes of the strategy's per-client tables, number of clients in them)."""
-    checkpoint = pickle.loads((out / "checkpoint.pkl").read_bytes())
-    tables = {k: v for k, v in checkpoint["strategy"].items() if k != "per_client_accuracy"}
-    clients = set(checkpoint["strategy"].get("per_client_accuracy", {}))
+    """(bytes of the strategy's per-client tables as the checkpoint stores them, number of
+    clients in them)."""
+    strategy = load_tree(out / CHECKPOINT)["strategy"]
+    tables = {k: v for k, v in strategy.items() if isinstance(v, dict)}
+    clients = set()
     for table in tables.values():
-        if isinstance(table, dict):
-            clients |= set(table)
-    return len(pickle.dumps(tables, protocol=pickle.HIGHEST_PROTOCOL)), len(clients)
+        clients |= set(table)
+    stored = out / "per-client-tables.npz"
+    save_tree(stored, tables)
+    return stored.stat().st_size, len(clients)
 
 
 def run(federation: LocalFederation, config: dict[str, Any], clients: int,
@@ -102,7 +106,7 @@ def run(federation: LocalFederation, config: dict[str, Any], clients: int,
     memory.start()
     start = time.perf_counter()
     done = federation.run(ROOT, {**config, "output-dir": str(out), "plot": False},
-                          num_supernodes=clients)
+                          num_supernodes=clients, timeout=7200)
     wall = time.perf_counter() - start
     peak = memory.stop()
     if not done.ok:

@@ -8,6 +8,7 @@ Hugging Face hub (``FederatedDataset``) or was built in memory.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,17 +49,37 @@ def make_partitioner(settings: RunSettings, num_partitions: int, pool_size: int,
                              seed=settings.seed)
 
 
+# Partitioners with their pool assigned, per (labels, partition settings, number of
+# partitions): flwr-datasets' partitioners draw every partition at their first
+# ``load_partition`` and keep them, so a process that serves many clients (a simulation
+# worker) partitions the pool once instead of once per client. A few entries at most: a
+# process serves one run at a time.
+_PARTITIONERS: dict[tuple, Partitioner] = {}
+_KEEP = 4
+
+
+def _partition_settings(settings: RunSettings) -> tuple:
+    return (settings.partitioner, settings.dirichlet_alpha, settings.classes_per_client,
+            settings.domain_groups, settings.seed)
+
+
 def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: int,
                       num_partitions: int) -> np.ndarray:
     """Indices into ``labels`` of one client's examples (train and test together)."""
-    # flwr-datasets' IidPartitioner shards contiguously: shuffle the pool first (seeded) so
-    # that every partitioner sees the same, order-free pool.
-    import datasets
+    key = (hashlib.sha1(np.ascontiguousarray(labels).tobytes()).hexdigest(), labels.dtype.str,
+           len(labels), _partition_settings(settings), num_partitions)
+    partitioner = _PARTITIONERS.get(key)
+    if partitioner is None:
+        # flwr-datasets' IidPartitioner shards contiguously: shuffle the pool first (seeded)
+        # so that every partitioner sees the same, order-free pool.
+        import datasets
 
-    order = np.random.default_rng(settings.seed).permutation(len(labels))
-    pool = datasets.Dataset.from_dict({"idx": order, LABEL: labels[order]})
-    partitioner = make_partitioner(settings, num_partitions, len(labels))
-    partitioner.dataset = pool
+        order = np.random.default_rng(settings.seed).permutation(len(labels))
+        partitioner = make_partitioner(settings, num_partitions, len(labels))
+        partitioner.dataset = datasets.Dataset.from_dict({"idx": order, LABEL: labels[order]})
+        while len(_PARTITIONERS) >= _KEEP:
+            _PARTITIONERS.pop(next(iter(_PARTITIONERS)))
+        _PARTITIONERS[key] = partitioner
     return np.sort(np.asarray(partitioner.load_partition(partition_id)["idx"], dtype=np.int64))
 
 

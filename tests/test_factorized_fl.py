@@ -192,6 +192,46 @@ def test_each_downlink_is_its_similarity_weighted_sum_of_the_latest_uploads():
     assert excluded > 0  # tau took some clients out of some rows
 
 
+def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
+    """150 known clients (above ``MATRIX_IN_RESULTS``): a downlink is built only when asked
+    for, equals the row's weighted average of the latest uploads (``matching_weights``), is
+    rebuilt after the next aggregation, and survives a checkpoint; the round's entry holds a
+    summary instead of two 150 x 150 matrices."""
+    settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": 0.0}))
+    arrays = initial_shared_arrays(settings)
+    strategy = FactorizedFLStrategy(settings, arrays, build_wire(settings))
+    rng = np.random.default_rng(1)
+    replies = [_upload(settings, str(c), rng, 5) for c in range(150)]
+    strategy.aggregate_shared(1, replies, arrays)
+    summary = strategy.ledger.record(1).extra["similarity"]
+    assert summary["num_clients"] == 150 and "matrix" not in summary
+    assert 1 <= summary["neighbours_mean"] <= 150
+    assert strategy._personal == {}
+    clients, _, weights = matching_weights(
+        {r.client_id: r.arrays[strategy.match_key].numpy() for r in replies},
+        strategy.tau, strategy.epsilon)
+    asked = ["3", "77", "149"]
+    downs = {c: strategy.downlink(2, c, arrays) for c in asked}
+    assert sorted(strategy._personal) == sorted(asked)
+    for client, down in downs.items():
+        row = weights[clients.index(client)]
+        for key in arrays:
+            expected = sum(w * r.arrays[key].numpy().astype(np.float64)
+                           for w, r in zip(row, sorted(replies, key=lambda r: int(r.client_id)),
+                                           strict=True))
+            np.testing.assert_allclose(down[key].numpy(), expected, rtol=1e-5, atol=1e-6)
+    resumed = FactorizedFLStrategy(settings, arrays, build_wire(settings))
+    resumed.restore_state(strategy.checkpoint_state())
+    for client, down in downs.items():
+        again = resumed.downlink(2, client, arrays)
+        for key in arrays:
+            np.testing.assert_array_equal(again[key].numpy(), down[key].numpy())
+    strategy.aggregate_shared(2, [_upload(settings, "3", rng, 5)], arrays)
+    assert strategy._personal == {}  # a new snapshot: downlinks are built from it
+    assert not np.array_equal(strategy.downlink(3, "3", arrays)[next(iter(arrays))].numpy(),
+                              downs["3"][next(iter(arrays))].numpy())
+
+
 @pytest.mark.integration
 def test_real_rounds_uplink_bytes_and_personal_u(federation, tmp_path):
     config = {"method": "factorized-fl", "partitioner": "domain", "domain-groups": 2,

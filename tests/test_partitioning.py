@@ -100,3 +100,31 @@ def test_train_test_split_is_disjoint_and_stratified():
 def test_partition_id_out_of_range_is_a_clear_error():
     with pytest.raises(ConfigError, match="partition-id"):
         load_client_data(settings(), 4, 4)
+
+
+def test_a_process_partitions_the_pool_once_and_gives_what_a_fresh_partitioning_gives(
+        monkeypatch):
+    """Many clients in one process (a simulation worker): the pool is partitioned once per
+    settings, and each client's indices equal those of a partitioner made for it alone."""
+    import fldata.partition as partition
+
+    made = []
+    make = partition.make_partitioner
+    monkeypatch.setattr(partition, "make_partitioner",
+                        lambda *args, **kw: made.append(args) or make(*args, **kw))
+    partition._PARTITIONERS.clear()
+    s = settings(partitioner="dirichlet", **{"dirichlet-alpha": 0.3})
+    _, y = digits_pool()
+    shared = [partition_indices(y, s, pid, 20) for pid in range(20)]
+    assert len(made) == 1
+    fresh = []
+    for pid in range(20):
+        partition._PARTITIONERS.clear()
+        fresh.append(partition_indices(y, s, pid, 20))
+    for a, b in zip(shared, fresh, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # other settings or another number of clients: another partitioning, never the kept one
+    other = partition_indices(y, settings(partitioner="dirichlet", **{"dirichlet-alpha": 0.5}),
+                              0, 20)
+    assert not np.array_equal(other, shared[0])
+    assert len(partition_indices(y, s, 0, 10)) != len(shared[0])
