@@ -26,7 +26,7 @@ from common.protocol import (
     NUM_EXAMPLES,
     SERVER_ROUND,
 )
-from strategies.training import LocalTraining, evaluate
+from strategies.training import LocalTraining
 
 app = ClientApp()
 _fresh_process = True  # no message handled in this process yet
@@ -68,7 +68,7 @@ def train(msg: Message, context: Context) -> Message:
     if msg.content[CONFIG].get(EVALUATE_FIRST, False):
         # the personalized evaluation of the last round: what this client starts from
         eval_started = time.process_time()
-        eval_loss, eval_accuracy = evaluate(model, client.loader(train=False), client.device)
+        eval_loss, eval_accuracy = client.evaluate(model, server_round - 1)
         evaluation = {EVAL_ACCURACY: eval_accuracy, EVAL_LOSS: eval_loss,
                       EVAL_EXAMPLES: len(client.data.y_test),
                       EVAL_CPU: time.process_time() - eval_started}
@@ -102,7 +102,7 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
     client.data  # noqa: B018 (timed on its own)
     phases.lap("data")
     model = client.model(received, int(config[SERVER_ROUND]), config)
-    loss, accuracy = evaluate(model, client.loader(train=False), client.device)
+    loss, accuracy = client.evaluate(model, int(config[SERVER_ROUND]))
     phases.lap("evaluate")
     return Message(RecordDict({
         METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_test), "loss": loss,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -30,6 +31,7 @@ from fldata import ClientData, load_client_data
 from fldata.cache import default_cache_dir
 from strategies.method import Method
 from strategies.registry import REGISTRY, load_settings
+from strategies.training import LocalTraining, evaluate
 from strategies.wire import WireSpec
 
 PERSONAL = "personal-state"
@@ -143,6 +145,19 @@ class Client:
             self.settings.seed * 100_003 + server_round * 1009 + self.partition_id)
         return DataLoader(dataset, batch_size=self.settings.batch_size, shuffle=train,
                           generator=generator, pin_memory=self.device.type == "cuda")
+
+    def evaluate(self, model: nn.Module, server_round: int) -> tuple[float, float]:
+        """(loss, accuracy) of the personalized ``model`` of round ``server_round`` on this
+        client's test split. A method with ``fine_tune`` (FedAvg-FT) first trains a copy of it
+        on the train split, seeded by the round (the same in both evaluation protocols);
+        ``model`` itself is left as it was."""
+        if self.method.fine_tune is not None:
+            model = copy.deepcopy(model)
+            torch.manual_seed(self.settings.seed * 7919 + server_round * 31 + self.partition_id
+                              + 104_729)
+            self.method.fine_tune(LocalTraining(model, self.loader(True, server_round),
+                                                self.settings, self.device, server_round))
+        return evaluate(model, self.loader(train=False), self.device)
 
     # -------------------------------------------------------------------- model and state
     @property

@@ -1,8 +1,13 @@
-"""The baselines on the common machinery: FedAvg, FedProx, Local, FedPer, FedRep, FedBN.
+"""The baselines on the common machinery: FedAvg, FedProx, Local, FedPer, FedRep, FedBN and
+FedAvg-FT.
 
 They differ only in which state-dict keys travel (their wire spec) and in their local training
-rule; the server side of all six is the plain ``PersonalizedStrategy`` (example-weighted mean
-of what is sent). Each is a few lines, so the six live together in this one file.
+rule; the server side of all of them is the plain ``PersonalizedStrategy`` (example-weighted
+mean of what is sent). Each is a few lines, so they live together in this one file.
+
+FedAvg-FT is FedAvg whose clients, before each personalized evaluation, fine-tune a copy of the
+received model on their own train split for ``local-epochs`` (every parameter): the simplest
+strong personalized baseline. What it trains and sends is FedAvg's exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from torch import nn
 
 from common.config import KeyGroup, RunSettings, at_most_local_epochs, key
 from strategies.method import Method
-from strategies.training import LocalTraining, train_epochs
+from strategies.training import LocalTraining, train_epochs, train_everything
 from strategies.wire import WireSpec, state_keys
 
 
@@ -100,3 +105,4 @@ FEDPER = Method("fedper", wire=BodyShared)
 FEDREP = Method("fedrep", wire=BodyShared, local_train=train_fedrep, settings=FedRepSettings,
                 check=check_fedrep)
 FEDBN = Method("fedbn", wire=NonBatchNormShared)
+FEDAVG_FT = Method("fedavg-ft", fine_tune=train_everything)

@@ -64,7 +64,9 @@ class Method:
     across keys (e.g. a phase that must fit in ``local-epochs``), given the model built on the
     ``meta`` device (no memory, no data); ``actions``: answers to the
     server's ``query`` messages (``action`` name -> ``handler(client, message) ->
-    RecordDict``)."""
+    RecordDict``); ``fine_tune``: a rule that trains a copy of the received model on the
+    client's train split before each personalized evaluation (FedAvg-FT; nothing of it is sent,
+    and training starts from the received model, not from the copy)."""
 
     name: str
     wire: type[WireSpec] = WireSpec
@@ -74,6 +76,7 @@ class Method:
     transform: Callable[[nn.Module, RunSettings], nn.Module] = keep_model
     check: Callable[[RunSettings, nn.Module], None] = no_checks
     actions: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    fine_tune: Callable[[LocalTraining], float] | None = None
 
     def build_model(self, settings: RunSettings) -> nn.Module:
         """The run's model, identical on the server and on every client (seeded init)."""

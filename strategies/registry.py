@@ -22,7 +22,7 @@ from strategies.wire import WireSpec
 
 METHODS: list[Method] = [
     baselines.FEDAVG, baselines.FEDPROX, baselines.LOCAL, baselines.FEDPER, baselines.FEDREP,
-    baselines.FEDBN,
+    baselines.FEDBN, baselines.FEDAVG_FT,
     feddecomp.METHOD,
     pfedc.METHOD,
     factorized_fl.METHOD,

@@ -25,7 +25,8 @@ LAYERS = [
 ]
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 # method homes: package or module under strategies/ -> the method names it holds
-METHOD_HOMES = {"baselines": {"fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn"},
+METHOD_HOMES = {"baselines": {"fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn",
+                              "fedavg-ft"},
                 "feddecomp": {"feddecomp"}, "pfedc": {"pfedc"},
                 "factorized_fl": {"factorized-fl"}, "fedfac": {"fedfac"}}
 

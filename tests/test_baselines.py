@@ -1,11 +1,16 @@
-"""Baselines' local rules: FedRep's phase order and freezing."""
+"""Baselines' local rules: FedRep's phase order and freezing; FedAvg-FT's fine-tuned
+evaluation."""
 
 from __future__ import annotations
 
+import torch
 from flwr.app import Context, RecordDict
 
 from client_app.runtime import Client
-from tests.conftest import app_config, moves_per_epoch
+from server_app.app import initial_shared_arrays
+from strategies.registry import build_wire, load_settings
+from strategies.training import evaluate
+from tests.conftest import app_config, make_client, moves_per_epoch
 
 
 def test_fedrep_trains_the_head_first_then_the_body_with_the_other_frozen():
@@ -21,3 +26,23 @@ def test_fedrep_trains_the_head_first_then_the_body_with_the_other_frozen():
     assert head and body and head | body == names
     assert first == head
     assert second == body
+
+
+def test_fedavg_ft_evaluates_a_fine_tuned_copy_and_sends_what_fedavg_sends():
+    """FedAvg-FT: the evaluation fine-tunes a copy of the received (here untrained) model for
+    local-epochs on the client's train split, which scores far above the received model; the
+    received model is left untouched (training starts from it) and the evaluation is the
+    same when repeated; what travels is FedAvg's key set."""
+    config = app_config(**{"method": "fedavg-ft", "local-epochs": 2})
+    client = make_client(0, config)
+    received = initial_shared_arrays(client.settings)
+    model = client.model(received)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _, plain = evaluate(model, client.loader(train=False), client.device)
+    _, tuned = client.evaluate(model, 3)
+    assert tuned > plain + 0.3, (plain, tuned)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert client.evaluate(model, 3)[1] == tuned
+    fedavg = build_wire(load_settings(app_config(method="fedavg")))
+    assert build_wire(client.settings).shared_spec == fedavg.shared_spec

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("method", ["fedavg", "fedper", "feddecomp"])
+@pytest.mark.parametrize("method", ["fedavg", "fedper", "feddecomp", "fedavg-ft"])
 def test_fused_evaluation_equals_two_exchanges(federation, tmp_path, method):
     results = {}
     for fused in (False, True):
