@@ -73,6 +73,11 @@ run() {
 
 stop() {
   compose down --remove-orphans
+  local left
+  left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+  if [ -n "$left" ]; then
+    say "containers of project $COMPOSE_PROJECT_NAME are still there: $left"; exit 1
+  fi
   deploy/docker-engine.sh stop "$engine_dir"
 }
 

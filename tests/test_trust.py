@@ -335,3 +335,33 @@ def test_a_resume_with_another_run_config_is_refused_naming_the_keys():
 def test_config_rejects_non_finite_numbers_and_untyped_booleans(key, value, message):
     with pytest.raises(ConfigError, match=message):
         load_settings(app_config(**{key: value}))
+
+
+def test_the_evaluation_a_train_reply_carries_is_validated_on_its_own():
+    """Fused evaluation: four evaluators' train replies carry ``eval-*`` metrics. One with an
+    accuracy out of range and one with a list-valued accuracy are malformed replies: dropped
+    for training and for the evaluation (each logged under its stage); one whose arrays are
+    broken loses its training but its evaluation counts, as it would in the two-exchange
+    protocol; the honest one counts in both."""
+    strategy, arrays = _strategy()
+    replies = []
+    for partition, (evaluation, arrays_ok) in enumerate(
+            [(0.75, True), (7.0, True), ([0.5, 0.5], True), (0.25, False)]):
+        client = make_client(partition, app_config())
+        message, content = _honest_reply(client, arrays)
+        content[METRICS]["eval-accuracy"] = evaluation
+        content[METRICS]["eval-num-examples"] = 20
+        if not arrays_ok:
+            _set_array(content, lambda v: Array(np.zeros((3, *v.shape), v.dtype)))
+        replies.append((message, Message(content, reply_to=message)))
+    batch = Exchange([m for m, _ in replies],
+                     [(m.metadata.dst_node_id, r) for m, r in replies])
+    trained = strategy.validate(2, "train", batch, TRAIN_METRICS, strategy.uplink_expected())
+    assert [r.client_id for r in trained] == ["0"]
+    strategy._fused_evaluation(1, batch, Exchange([], []),
+                               {m.metadata.dst_node_id for m, _ in replies})
+    record = strategy.ledger.record(1)
+    assert record.eval["per_client"] == {"0": 0.75, "3": 0.25}
+    reasons = {d["client"]: d["reason"] for d in record.dropped if d["stage"] == "evaluate"}
+    assert "'eval-accuracy' = 7.0 is outside" in reasons["1"]
+    assert "'eval-accuracy' must be a number" in reasons["2"]

@@ -123,8 +123,10 @@ def _app_with(tmp: Path, name: str, source: str) -> Path:
 
 def test_malformed_replies_are_dropped_and_honest_results_equal_a_run_without_them(
         federation, tmp_path):
+    # the two-exchange protocol: every kind of reply is a message of its own (the evaluation
+    # a train reply carries with fused evaluation is tested in test_trust.py)
     config = {"method": "fedavg", "num-server-rounds": 5, "local-epochs": 1, "plot": False,
-              "min-nodes": 6}
+              "min-nodes": 6, "fused-evaluation": False}
     results = {}
     for name, source in (("malicious_client", MALICIOUS_CLIENT),
                          ("absent_client", ABSENT_CLIENT)):

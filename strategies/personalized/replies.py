@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flwr.app import Message, MessageType
+from flwr.app import ArrayRecord, Message, MessageType
 from flwr.serverapp import Grid
 
 from common.protocol import (
@@ -79,14 +79,16 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> Exchange:
 def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
                   batch: Exchange, metric_keys: tuple[str, ...] | None, timeout: float,
                   expected_arrays: Callable[[ClientReply], ArraySpec] | None = None,
-                  max_examples: int | None = None) -> list[ClientReply]:
+                  max_examples: int | None = None, read_arrays: bool = True
+                  ) -> list[ClientReply]:
     """The replies of ``batch`` that pass every check, in client order (reply order is
     arbitrary; a fixed order makes float sums, and runs, reproducible). Train replies' bytes
     are counted whether or not they pass.
 
     Every exchange goes through here (train, evaluate, identify, a method's queries):
     ``metric_keys`` None for a query (no metrics needed), ``expected_arrays`` the arrays the
-    reply must carry (None: it must carry none). Any exception while reading one reply drops
+    reply must carry (None: it must carry none; ``read_arrays`` False: they are not read, for
+    the evaluation a train reply carries). Any exception while reading one reply drops
     that reply, with its reason, and the rest go on; a reply whose client id its node may not
     speak for (``NodeDirectory.claim``) is dropped likewise."""
     missing = batch.missing()
@@ -101,7 +103,8 @@ def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, 
             ledger.uplink(server_round, reply)
         try:
             read.append((node_id, reply, read_reply(node_id, reply, metric_keys,
-                                                    expected_arrays, max_examples)))
+                                                    expected_arrays, max_examples,
+                                                    read_arrays)))
         except Exception as error:  # whatever one reply holds, the round goes on
             read.append((node_id, reply, error))
     contested = nodes.contested([(n, r.client_id) for n, _, r in read
@@ -130,12 +133,14 @@ def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, 
 
 def read_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
                expected_arrays: Callable[[ClientReply], ArraySpec] | None,
-               max_examples: int | None) -> ClientReply:
+               max_examples: int | None, read_arrays: bool = True) -> ClientReply:
     """One reply checked: its envelope (``parse_reply``), then its arrays against what the
-    method expects of it (the decoded, checked values replace the received ones)."""
+    method expects of it (the decoded, checked values replace the received ones; with
+    ``read_arrays`` False they are left out unread)."""
     checked = parse_reply(node_id, reply, metric_keys, max_examples)
-    checked.arrays = check_arrays(checked.arrays, expected_arrays(checked)
-                                  if expected_arrays is not None else {})
+    checked.arrays = (check_arrays(checked.arrays, expected_arrays(checked)
+                                   if expected_arrays is not None else {})
+                      if read_arrays else ArrayRecord())
     return checked
 
 

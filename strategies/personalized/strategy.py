@@ -43,7 +43,9 @@ from common.config import RunSettings
 from common.protocol import (
     ARRAYS,
     CONFIG,
+    EVAL_ACCURACY,
     EVAL_CPU,
+    EVAL_EXAMPLES,
     EVALUATE_FIRST,
     EVALUATE_METRICS,
     SERVER_ROUND,
@@ -262,7 +264,7 @@ class PersonalizedStrategy(Admission, Evaluation):
                                   TRAIN_METRICS, self.uplink_expected())
             self.ledger.client_cpu(server_round, "train", valid)
             if evaluators:
-                self._fused_evaluation(previous, parts[MessageType.TRAIN], valid,
+                self._fused_evaluation(previous, parts[MessageType.TRAIN],
                                        parts[MessageType.EVALUATE], set(evaluators))
             updated = self._aggregate(server_round, valid)
         if fused:
@@ -271,27 +273,27 @@ class PersonalizedStrategy(Admission, Evaluation):
                                      arrays if updated is None else updated)
         return updated
 
-    def _fused_evaluation(self, server_round: int, train: Exchange,
-                          valid_train: list[ClientReply], batch: Exchange,
+    def _fused_evaluation(self, server_round: int, train: Exchange, batch: Exchange,
                           evaluators: set[int]) -> None:
-        """Round ``server_round``'s evaluation from this exchange: the ``eval-*`` metrics of
-        the evaluators' valid train replies (a dropped or missing train reply drops the
-        evaluation it carried) and the evaluate replies."""
+        """Round ``server_round``'s evaluation from this exchange: the evaluate replies, and
+        the ``eval-*`` metrics of the evaluators' train replies, validated on their own like
+        any reply (envelope, identity, metrics; the arrays are the train stage's business: a
+        train reply dropped for its arrays still counts for the evaluation, as it would in the
+        two-exchange protocol)."""
         valid = self.validate(server_round, "evaluate", batch, EVALUATE_METRICS)
-        carried = {r.node_id: r for r in valid_train if r.node_id in evaluators}
+        evaluating = Exchange([m for m in train.sent if m.metadata.dst_node_id in evaluators],
+                              [(n, r) for n, r in train.replies if n in evaluators])
         fused = []
-        for message in train.sent:
-            node_id = message.metadata.dst_node_id
-            if node_id not in evaluators:
-                continue
-            client_id = self.nodes.client_of(node_id) or "?"
+        for reply in valid_replies(self.ledger, self.nodes, server_round, "evaluate",
+                                   evaluating, (EVAL_ACCURACY, EVAL_EXAMPLES),
+                                   self.settings.round_timeout,
+                                   max_examples=self.settings.max_num_examples,
+                                   read_arrays=False):
             try:
-                if node_id not in carried:
-                    raise ReplyError("its train reply, which carries the evaluation, is "
-                                     "missing or was dropped")
-                fused.append(fused_evaluation(carried[node_id]))
+                fused.append(fused_evaluation(reply))
             except ReplyError as reason:
-                self.ledger.drop(server_round, "evaluate", node_id, client_id, str(reason))
+                self.ledger.drop(server_round, "evaluate", reply.node_id, reply.client_id,
+                                 str(reason))
         self.example_counts.bound("evaluate", fused)  # their test examples
         self.ledger.client_cpu(server_round, "evaluate", valid)
         self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
