@@ -128,7 +128,10 @@ class LocalDeployment(LocalFederation):
 
     def _spawn(self, command: list[str], log_name: str) -> subprocess.Popen:
         log = open(self.home / log_name, "ab")  # noqa: SIM115 (outlives this call)
-        return subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        # the SuperExec a SuperNode starts looks for new work (each message's ClientApp)
+        # every second by default
+        env = {**self.env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
     def state_dir(self, site: int) -> Path:

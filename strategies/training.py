@@ -30,10 +30,51 @@ class LocalTraining:
     server_round: int
 
 
-def sgd(params: Iterable[nn.Parameter], settings: RunSettings) -> torch.optim.Optimizer:
+class SGD:
+    """Stochastic gradient descent with momentum and weight decay: the update of
+    ``torch.optim.SGD`` (its single-tensor path; no dampening, no Nesterov) written out.
+
+    Why not ``torch.optim.SGD`` itself: constructing any ``torch.optim`` optimizer imports
+    ``torch._dynamo`` (and SymPy), about 2 s of CPU, once per process. A deployed SuperNode
+    starts a fresh ClientApp process for every message, so every message paid it.
+    ``tests/test_units.py`` checks this class against ``torch.optim.SGD`` step for step
+    (bitwise)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        self.params = list(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.buffers: list[Tensor | None] = [None] * len(self.params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, param in enumerate(self.params):
+            if param.grad is None:
+                continue
+            grad = param.grad
+            if self.weight_decay != 0:
+                grad = grad.add(param, alpha=self.weight_decay)
+            if self.momentum != 0:
+                buf = self.buffers[i]
+                if buf is None:
+                    buf = self.buffers[i] = grad.detach().clone()
+                else:
+                    buf.mul_(self.momentum).add_(grad, alpha=1)
+                grad = buf
+            param.add_(grad, alpha=-self.lr)
+
+
+def sgd(params: Iterable[nn.Parameter], settings: RunSettings) -> SGD:
     """A fresh optimizer (no optimizer state survives a round: contracts §6)."""
-    return torch.optim.SGD(list(params), lr=settings.lr, momentum=settings.momentum,
-                           weight_decay=settings.weight_decay)
+    return SGD(params, lr=settings.lr, momentum=settings.momentum,
+               weight_decay=settings.weight_decay)
 
 
 def train_epochs(job: LocalTraining, params: Iterable[nn.Parameter], epochs: int,

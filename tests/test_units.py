@@ -228,3 +228,29 @@ def test_received_arrays_must_fit_the_model(tmp_path):
     client = Client.from_context(_context(1, tmp_path))
     with pytest.raises(ValueError, match="does not fit"):
         client.model(ArrayRecord({"head.weight": Array(np.zeros((3, 3), np.float32))}))
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.5, 1e-3)])
+def test_our_sgd_steps_exactly_as_torch_optim_sgd(momentum, weight_decay):
+    """``strategies.training.SGD`` (written out to spare a fresh ClientApp process the 2 s
+    import that constructing a ``torch.optim`` optimizer costs) moves a CNN's parameters
+    bitwise as ``torch.optim.SGD`` does, over several steps with momentum and weight decay,
+    including a parameter that has no gradient in one step."""
+    from strategies.training import SGD
+
+    settings = load_settings(app_config())
+    ours, theirs = build_model(settings), build_model(settings)
+    opt_ours = SGD(ours.parameters(), lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=momentum,
+                                 weight_decay=weight_decay)
+    x = torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(16) % 10
+    for step in range(4):
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if step == 2:  # a parameter without a gradient this step is left alone
+                next(model.parameters()).grad = None
+            opt.step()
+        for a, b in zip(ours.state_dict().values(), theirs.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
