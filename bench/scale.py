@@ -13,7 +13,8 @@ Per run: median seconds per round (rounds 2..), the peak resident memory of the 
 runs the ServerApp (``flwr-simulation``) and of the largest Ray worker, sampled every 0.5 s,
 and the server's per-client state: the bytes of the strategy's checkpointed per-client tables
 (every dict keyed by client id in its checkpoint, stored as the checkpoint stores them)
-divided by the number of clients they cover. Writes ``bench/results/scale.md`` and ``.json``.
+divided by the number of clients they cover. Writes ``bench/results/scale-<parts>.md`` and
+``.json``.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ class PeakMemory(threading.Thread):
         super().__init__(daemon=True)
         self.interval = interval
         self.peak = {"serverapp": 0, "worker": 0}
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
@@ -68,10 +69,10 @@ class PeakMemory(threading.Thread):
                 rss = next((int(line.split()[1]) * 1024 for line in status.splitlines()
                             if line.startswith("VmRSS:")), 0)
                 self.peak[kind] = max(self.peak[kind], rss)
-            self._stop.wait(self.interval)
+            self._done.wait(self.interval)
 
     def stop(self) -> dict[str, int]:
-        self._stop.set()
+        self._done.set()
         self.join()
         return self.peak
 
@@ -160,10 +161,11 @@ def main() -> None:
         ratio = hundred["round_seconds"] / ten["round_seconds"]
         lines += ["", f"100 vs 10 clients, same data: **{ratio:.2f}x** seconds per round."]
     command = f"python bench/scale.py --parts {args.parts}"
-    write_report("scale", "Many clients on one machine (Fashion-MNIST, 20,000 images)",
+    name = "scale-" + "-".join(args.parts.split(","))  # one report per set of parts
+    write_report(name, "Many clients on one machine (Fashion-MNIST, 20,000 images)",
                  command, "\n".join(lines) + "\n")
-    (RESULTS / "scale.json").write_text(json.dumps({"command": command, "runs": rows},
-                                                   indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps({"command": command, "runs": rows},
+                                                     indent=2))
 
 
 if __name__ == "__main__":

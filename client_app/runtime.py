@@ -6,10 +6,12 @@ import copy
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from logging import INFO, WARNING
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
@@ -59,9 +61,20 @@ def select_device(setting: str) -> torch.device:
 
 
 @lru_cache(maxsize=4)
+def _settings(run_config_json: str) -> RunSettings:
+    """The run's settings, parsed and checked once per process (the checks build the model:
+    a simulation worker serving many clients would pay it on every message)."""
+    return load_settings(json.loads(run_config_json))
+
+
+def settings_of(run_config: Mapping[str, Any]) -> RunSettings:
+    return _settings(json.dumps(dict(run_config), sort_keys=True))
+
+
+@lru_cache(maxsize=4)
 def _client_data(run_config_json: str, partition_id: int, num_partitions: int,
                  data_dir: str | None, state_dir: str | None) -> ClientData:
-    settings = load_settings(json.loads(run_config_json))
+    settings = _settings(run_config_json)
     cache = settings.data_cache
     cache_dir = (None if cache == "off" else Path(cache) if cache
                  else default_cache_dir(state_dir))
@@ -98,7 +111,7 @@ class Client:
 
     @classmethod
     def from_context(cls, context: Context) -> Client:
-        settings = load_settings(context.run_config)
+        settings = settings_of(context.run_config)
         node = context.node_config
         if PARTITION_ID not in node or NUM_PARTITIONS not in node:
             raise ConfigError("node config: partition-id and num-partitions are required "
