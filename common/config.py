@@ -177,6 +177,7 @@ class RunSettings(KeyGroup):
     device: str = key("device")
     output_dir: str = key("output-dir")
     round_timeout: float = key("round-timeout", low=0, low_open=True)
+    max_in_flight: int = key("max-in-flight", low=1)
     resume_from: str = key("resume-from")
     plot: bool = key("plot")
     # trust boundaries (README "Security model")

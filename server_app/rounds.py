@@ -36,7 +36,8 @@ CHECKPOINT = "checkpoint.npz"
 # model, dataset, partitioning, seed, training) is refused.
 RESUMABLE_KEYS = frozenset({
     "num-server-rounds", "output-dir", "resume-from", "round-timeout", "min-nodes", "plot",
-    "device", "data-cache", "identity.node-owners", "identity.require-registered",
+    "device", "data-cache", "max-in-flight", "identity.node-owners",
+    "identity.require-registered",
     "identity.max-clients", "identity.expire-rounds", "aggregation.rule",
     "aggregation.trim-fraction", "aggregation.clip-norm", "aggregation.max-num-examples"})
 

@@ -133,3 +133,19 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(federation, tmp_pa
         assert a["train"]["loss"] == b["train"]["loss"]
         assert a["bytes_up"] == b["bytes_up"]
     assert expected["final"]["accuracy_weighted"] == got["final"]["accuracy_weighted"]
+
+
+def test_a_window_of_one_message_in_flight_gives_the_same_run(federation, tmp_path):
+    """``max-in-flight = 1``: every exchange sends its messages one after another, each once
+    the previous one is answered; every round reaches every client and the results equal a
+    run that sends them all at once."""
+    results = {}
+    for window in (1, 100):
+        out = tmp_path / str(window)
+        run = federation.run(ROOT, quick(out, **{"max-in-flight": window}), num_supernodes=4)
+        assert run.ok, run.output[-3000:]
+        results[window] = read_results(out)["rounds"]
+    for one, many in zip(results[1], results[100], strict=True):
+        assert one["train"] == many["train"]
+        assert one["eval"]["per_client"] == many["eval"]["per_client"]
+        assert one["eval"]["num_clients"] == 4 and not one.get("dropped")

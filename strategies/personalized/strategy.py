@@ -146,7 +146,7 @@ class PersonalizedStrategy(Admission, Evaluation):
         in its ``config`` record); the replies that arrived in time."""
         return exchange(grid, [Message(content, dst_node_id=node, message_type=MessageType.QUERY)
                                for node, content in contents.items()],
-                        self.settings.round_timeout)
+                        self.settings.round_timeout, self.settings.max_in_flight)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything this strategy needs to continue a run: its ``checkpointed``
@@ -211,7 +211,8 @@ class PersonalizedStrategy(Admission, Evaluation):
     def send(self, grid: Grid, messages: list[Message]) -> Exchange:
         """One exchange; its wait goes into the round of its messages (``group_id``)."""
         started = time.perf_counter()
-        batch = exchange(grid, messages, self.settings.round_timeout)
+        batch = exchange(grid, messages, self.settings.round_timeout,
+                         self.settings.max_in_flight)
         if messages:
             self.ledger.exchanged(int(messages[0].metadata.group_id),
                                   time.perf_counter() - started)
