@@ -1,0 +1,88 @@
+"""The evidence matrix (bench/matrix.py): equal tuning budgets, cells that resume, a report
+computed from the stored runs, and the claim verdicts."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from bench import matrix
+from bench.matrix import SCENARIOS, Matrix, claims, select, tuning_grid, write_report
+
+
+def test_every_row_gets_the_same_tuning_budget_of_learning_rate_and_one_hyperparameter():
+    for _, entries in SCENARIOS.values():
+        for item in entries:
+            grid = tuning_grid(item.method)
+            assert len(grid) == 4, item.label
+            assert all("lr" in config and len(config) <= 2 for config in grid), item.label
+            assert len({json.dumps(c, sort_keys=True) for c in grid}) == 4, item.label
+
+
+def _row(accuracy: float, mb_up: float = 10.0) -> dict:
+    return {"accuracy": (accuracy, 0.0), "mb_up": (mb_up, 0.0)}
+
+
+def test_claims_are_judged_on_the_thresholds_and_missing_rows_say_not_measured():
+    stats = {
+        "dirichlet-0.1": {"fedavg": _row(0.60), "feddecomp": _row(0.66), "fedper": _row(0.68),
+                          "fedrep": _row(0.67), "fedfac": _row(0.62)},
+        "pathological-2": {"fedavg": _row(0.70), "pfedc": _row(0.90), "fedrep": _row(0.905)},
+        "permuted-labels": {"factorized-fl": _row(0.80, 0.4), "local": _row(0.805),
+                            "fedavg": _row(0.3, 10.0)},
+        "synthetic-fedfac": {"fedfac": _row(0.75), "fedfac@random-split": _row(0.76)},
+    }
+    lines = claims(stats)
+    verdict = {line.split(":")[0][2:]: line for line in lines}
+    assert "**held**" in verdict["FedDecomp >= FedAvg + 5 points on Dirichlet 0.1"]
+    assert "**did not hold**" in verdict[
+        "FedDecomp not below the best of FedPer/FedRep by more than 1 point"]
+    assert "**held**" in verdict["pFedC >= FedAvg + 5 points on pathological-2"]
+    assert "**held**" in verdict["pFedC not below FedRep by more than 1 point on pathological-2"]
+    assert "**held**" in next(v for k, v in verdict.items() if k.startswith("Factorized-FL"))
+    assert "**did not hold**" in verdict["FedFac (fedfac) >= FedAvg + 3 points on Dirichlet 0.1"]
+    assert "**did not hold**" in verdict[
+        "FedFac (fedfac) split at least as good as a random split (eq. 8 simulation)"]
+    assert "**not measured**" in verdict[
+        "FedFac (fedfac@dynamic) >= FedAvg + 3 points on Dirichlet 0.1"]
+    # 1/20 of FedAvg's uplink is part of the Factorized-FL claim
+    stats["permuted-labels"]["factorized-fl"] = _row(0.80, 0.6)
+    assert "**did not hold**" in next(line for line in claims(stats)
+                                      if "Factorized-FL" in line)
+
+
+@pytest.mark.integration
+def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.setattr(matrix, "REPORT_SEEDS", (1, 2))
+    common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
+    chosen = select(["dirichlet-0.1"], ["fedavg", "local"])
+    assert [item.label for _, item in chosen] == ["fedavg", "local"]
+
+    matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
+    cells = sorted((tmp_path / "matrix" / "cells").rglob("*.json"))
+    assert len(cells) == 4
+    stamps = [c.stat().st_mtime_ns for c in cells]
+    for cell in map(lambda c: json.loads(c.read_text()), cells):
+        results = json.loads((tmp_path / "matrix" / "runs" / cell["scenario"]
+                              / cell["label"] / f"report-defaults-seed{cell['seed']}"
+                              / "results.json").read_text())
+        assert cell["accuracy_weighted"] == results["final"]["accuracy_weighted"]
+        assert cell["run_config"]["num-server-rounds"] == 2 and len(cell["rounds"]) == 2
+
+    # resumed: nothing is run again
+    matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
+    assert [c.stat().st_mtime_ns for c in cells] == stamps
+
+    report = write_report(Matrix(None, common, tmp_path), "python bench/matrix.py")
+    assert (tmp_path / "report.md").read_text() == report
+    fedavg = [json.loads(c.read_text())["accuracy_weighted"] for c in cells
+              if c.parent.name == "fedavg"]
+    row = next(line for line in report.splitlines() if line.startswith("| fedavg |"))
+    assert (f"{statistics.mean(fedavg):.4f} ± {statistics.stdev(fedavg):.4f}") in row
+    assert "not tuned yet" in row and "| 2 |" in row
+    assert "FedDecomp >= FedAvg + 5 points on Dirichlet 0.1: **not measured**" in report
+    assert (tmp_path / "matrix" / "accuracy-dirichlet-0.1.png").stat().st_size > 0
+    assert (tmp_path / "matrix" / "accuracy-vs-uplink.png").stat().st_size > 0
