@@ -213,20 +213,21 @@ class Matrix:
 
 
 def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
+    """The rows of ``scenarios`` that ``only`` names (a label, a method, or
+    ``scenario/label``; empty: all)."""
     return [(s, e) for s in scenarios for e in SCENARIOS[s][1]
-            if not only or e.label in only or e.method in only]
+            if not only or {e.label, e.method, f"{s}/{e.label}"} & set(only)]
 
 
 def run(matrix: Matrix, chosen: list[tuple[str, Entry]], stage: str) -> None:
-    """Tuning first for every chosen row, then the report seeds (so a stop leaves whole
-    stages behind)."""
-    if stage in ("tune", "all"):
-        for scenario, item in chosen:
+    """Row by row, in the order given: its tuning runs, then its report seeds (so a stop
+    leaves whole rows behind)."""
+    for scenario, item in chosen:
+        if stage in ("tune", "all"):
             matrix.tuned(scenario, item, tune=True)
-    if stage in ("report", "all"):
-        for seed in REPORT_SEEDS:
-            for scenario, item in chosen:
-                config, _ = matrix.tuned(scenario, item, tune=False)
+        if stage in ("report", "all"):
+            config, _ = matrix.tuned(scenario, item, tune=False)
+            for seed in REPORT_SEEDS:
                 matrix.cell(scenario, item, "report", config, seed)
 
 
@@ -390,7 +391,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help="comma-separated, default all")
-    parser.add_argument("--only", default="", help="comma-separated labels or methods")
+    parser.add_argument("--only", default="",
+                        help="comma-separated labels, methods or scenario/label")
     parser.add_argument("--stage", choices=("all", "tune", "report"), default="all",
                         help="report alone runs untuned rows on their defaults")
     parser.add_argument("--write-only", action="store_true", help="no runs, only the report")

@@ -20,6 +20,7 @@ Command line (used by scripts/demo.sh):  python -m common.local_federation [--su
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -46,6 +47,37 @@ def free_port() -> int:
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def descendant_groups(pid: int) -> set[int]:
+    """The process groups of ``pid``'s descendants (Linux ``/proc``; empty elsewhere).
+
+    The SuperExec that the SuperLink starts opens a session of its own, and the
+    ``flwr-simulation`` and Ray processes it starts live in it: stopping the SuperLink's group
+    alone leaves them running a run that was interrupted."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append((int(stat.parent.name), int(fields[2])))
+    groups, todo = set(), [pid]
+    while todo:
+        for child, group in children.get(todo.pop(), []):
+            groups.add(group)
+            todo.append(child)
+    return groups
 
 
 @dataclass
@@ -120,17 +152,21 @@ class LocalFederation:
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
             # The SuperLink runs in its own session: stop it and every process it started
-            # (flwr-simulation, Ray) with it.
+            # (the SuperExec's session with flwr-simulation and Ray included).
+            groups = ({self.process.pid} | descendant_groups(self.process.pid)) - {
+                os.getpgrp()}
             for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-                try:
-                    os.killpg(self.process.pid, sig)
-                except ProcessLookupError:
-                    break
+                for group in groups:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(group, sig)
                 try:
                     self.process.wait(wait)
-                    break
                 except subprocess.TimeoutExpired:
                     continue
+                time.sleep(1)  # the other groups' processes exit on SIGTERM within this
+                groups = {g for g in groups if _group_alive(g)}
+                if not groups:
+                    break
         if self._tmp is not None:
             self._tmp.cleanup()
         if self._previous_sigterm is not None:
@@ -168,6 +204,9 @@ class LocalFederation:
                     lines.append(line)
                     if echo:
                         print(line, end="", flush=True)
+            except BaseException:
+                process.kill()  # interrupted (SIGTERM, Ctrl-C): do not wait for the run's end
+                raise
             finally:
                 watchdog.cancel()
             returncode = process.wait()

@@ -1,0 +1,91 @@
+"""``LocalFederation`` interrupted mid-run (a benchmark or test killed with SIGTERM) stops at
+once and leaves no process behind, including the SuperExec's session (flwr-simulation, Ray)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from common.local_federation import descendant_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    from common.local_federation import LocalFederation
+    with LocalFederation() as federation:
+        federation.run(sys.argv[1], {"num-server-rounds": 500, "plot": False,
+                                     "output-dir": sys.argv[2]}, num_supernodes=3)
+""")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (zombies waiting to be reaped count as gone)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def _group_members(groups: set[int]) -> set[int]:
+    members = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) in groups:
+                members.add(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return members
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_sigterm_mid_run_stops_everything_the_federation_started(tmp_path):
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(ROOT), str(tmp_path / "out")],
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        started: set[int] = set()
+        while time.monotonic() < deadline:  # until the simulation's clients train
+            groups = descendant_groups(process.pid) - {os.getpgrp()}
+            started = _group_members(groups)
+            if (tmp_path / "out").exists() and any(
+                    "flwr-simulation" in _cmdline(p) for p in started):
+                break
+            time.sleep(1)
+        else:
+            pytest.fail("the run did not start within 120 s")
+        time.sleep(5)
+        started = _group_members(descendant_groups(process.pid) - {os.getpgrp()})
+        assert any("flwr-simulation" in _cmdline(p) for p in started)
+
+        began = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+        assert time.monotonic() - began < 45  # not the 500 rounds
+        time.sleep(2)
+        left = {p: _cmdline(p) for p in _alive(started)}
+        assert not left, f"left running: {left}"
+    finally:
+        if process.poll() is None:
+            process.kill()
