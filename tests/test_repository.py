@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import APP_PACKAGES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Paths the ignore rules must cover, whatever form they take (a symlink named .venv is a
@@ -78,3 +80,23 @@ def test_nothing_tracked_is_ignored(tracked: list[str]) -> None:
     or before the rule existed)."""
     offending = [p for p in _git("ls-files", "-ci", "--exclude-standard", "-z").split("\0") if p]
     assert not offending, f"tracked paths match .gitignore: {offending}"
+
+
+def test_the_app_bundle_holds_the_app_and_every_path_fits_its_manifest() -> None:
+    """``flwr run .`` ships this directory as a FAB whose manifest lists ``path,sha256,bits``
+    per file, unquoted: one file name with a comma anywhere under the app (a benchmark cell
+    named after a two-key config did this) fails every run at the SuperExec. Benchmarks and
+    their results are no part of the app."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    names = zipfile.ZipFile(io.BytesIO(build_fab_from_disk(ROOT))).namelist()
+    packages = set(APP_PACKAGES)
+    assert {n.split("/")[0] for n in names} == packages | {"pyproject.toml", ".info"}
+    shipped = {n for n in names if n.endswith(".py")}
+    on_disk = {str(p.relative_to(ROOT)) for pkg in packages for p in (ROOT / pkg).rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert shipped == on_disk
+    assert [n for n in names if "," in n] == []

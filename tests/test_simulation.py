@@ -85,10 +85,11 @@ app.evaluate()(evaluate_personalized)
 
 def test_bad_replies_are_dropped_and_logged_and_the_run_completes(federation, tmp_path):
     app_dir = copy_app(tmp_path / "app")
-    (app_dir / "faulty_client.py").write_text(FAULTY_CLIENT)
+    (app_dir / "faulty_client.py").write_text(FAULTY_CLIENT)  # shipped: named in fab-include
     pyproject = app_dir / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('clientapp = "client_app.app:app"',
-                                                       'clientapp = "faulty_client:app"'))
+    pyproject.write_text(pyproject.read_text()
+                         .replace('"client_app.app:app"', '"faulty_client:app"')
+                         .replace("fab-include = [", 'fab-include = ["faulty_client.py", '))
     out = tmp_path / "out"
     run = federation.run(app_dir, quick(out), num_supernodes=4)
     assert run.ok, run.output[-3000:]

@@ -116,8 +116,10 @@ def _app_with(tmp: Path, name: str, source: str) -> Path:
     app_dir = copy_app(tmp / name)
     (app_dir / f"{name}.py").write_text(source)
     pyproject = app_dir / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('clientapp = "client_app.app:app"',
-                                                       f'clientapp = "{name}:app"'))
+    # the module ships in the bundle only when the app's manifest (fab-include) names it
+    pyproject.write_text(pyproject.read_text()
+                         .replace('clientapp = "client_app.app:app"', f'clientapp = "{name}:app"')
+                         .replace("fab-include = [", f'fab-include = ["{name}.py", '))
     return app_dir
 
 
