@@ -3,6 +3,7 @@ on three others, with one report (``bench/results/report.md``) and its plots.
 
     python bench/matrix.py                        # the whole matrix: tune, then report; resumes
     python bench/matrix.py --stage report --scenarios dirichlet-0.1 --only fedavg,feddecomp
+    python bench/matrix.py --ablations            # only the ablations of tuned rows
     python bench/matrix.py --write-only           # rewrite report.md and plots from the cells
 
 Every run is one cell (its summary and per-round series), stored as
@@ -21,12 +22,15 @@ always written from all cells present (plots in ``bench/results/matrix/``). The 
 - report: the kept configuration on seeds ``REPORT_SEEDS``; the table gives the mean and
   standard deviation over seeds of the final round's accuracy (never the best round), the
   lowest client's accuracy, total uplink MB and seconds. A method not tuned yet runs its
-  defaults and is marked so.
+  defaults and is marked so;
+- ablations (``ABLATIONS``, run after the rows): where a claim did not hold, the row's tuned
+  configuration with one change, on the same report seeds, to show why.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import statistics
@@ -41,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.data import ensure_dataset  # noqa: E402
-from bench.report import RESULTS  # noqa: E402
+from bench.report import RESULTS, produced_by  # noqa: E402
 from bench.run_methods import MB  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
 from fldata.sources import idx_pool  # noqa: E402
@@ -103,6 +107,25 @@ MAIN_HYPERPARAMETER: dict[str, tuple[str, tuple[Any, ...]]] = {
 }
 
 
+@dataclass(frozen=True)
+class Ablation:
+    """A claim that did not hold, probed: a row's tuned configuration with one change, on the
+    report seeds (``--ablations``)."""
+
+    scenario: str
+    label: str               # the row it varies
+    change: dict[str, Any]   # replaces or adds keys of that row's tuned configuration
+    question: str
+
+
+ABLATIONS = [
+    Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0},
+             "Is the personal part too small? B A as large as the layer (rank ratio 1)."),
+    Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.bn-stats": "personal"},
+             "Do averaged BatchNorm statistics cost it? Running statistics kept per client."),
+]
+
+
 def expand(config: dict[str, Any]) -> dict[str, Any]:
     """Run-config overrides of a tuning configuration (``feddecomp.rank`` sets both ranks)."""
     out = dict(config)
@@ -121,7 +144,9 @@ def tuning_grid(method: str) -> list[dict[str, Any]]:
 
 
 def config_tag(config: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(config.items())) or "defaults"
+    """A config as part of a file name. No commas: Flower lists a FAB's files as
+    ``path,sha256,bits`` lines, so a comma in any file under the app breaks ``flwr run .``."""
+    return "+".join(f"{k}={v}" for k, v in sorted(config.items())) or "defaults"
 
 
 def cell_path(out: Path, scenario: str, label: str, stage: str, config: dict[str, Any],
@@ -144,6 +169,13 @@ def summarize_run(results: dict[str, Any]) -> dict[str, Any]:
         "accuracy_per_round": [r["eval"]["accuracy_weighted"] for r in rounds],
         "mb_up_per_round": [r["bytes_up"] / MB for r in results["rounds"]],
     }
+
+
+def protocol(run_config: dict[str, Any]) -> dict[str, Any]:
+    """What a cell's numbers depend on: its run config without where it wrote, with the pool
+    named by its file name (the cache folder differs between machines)."""
+    return {k: Path(v).name if k == "dataset" and "/" in str(v) else v
+            for k, v in run_config.items() if k != "output-dir"}
 
 
 def pool_file(size: int = POOL_SIZE) -> Path:
@@ -172,18 +204,28 @@ class Matrix:
         self.out = out
         self.num_clients = num_clients
 
+    def run_config(self, scenario: str, item: Entry, config: dict[str, Any], seed: int,
+                   out: Path) -> dict[str, Any]:
+        """What one cell runs: the common settings, the scenario's, the row's, the config."""
+        scenario_config, _ = SCENARIOS[scenario]
+        return {**self.common, **scenario_config, **item.fixed, **expand(config),
+                "method": item.method, "seed": seed, "output-dir": str(out)}
+
     def cell(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
              seed: int, may_run: bool = True) -> dict[str, Any] | None:
+        """The stored cell, if it ran under today's protocol; else run it (``may_run``)."""
         path = cell_path(self.out, scenario, item.label, stage, config, seed)
-        if path.exists():
-            return json.loads(path.read_text())
-        if self.federation is None or not may_run:
-            return None
-        scenario_config, _ = SCENARIOS[scenario]
         cells = self.out / "matrix" / "cells"
         out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
-        run_config = {**self.common, **scenario_config, **item.fixed, **expand(config),
-                      "method": item.method, "seed": seed, "output-dir": str(out)}
+        run_config = self.run_config(scenario, item, config, seed, out)
+        if path.exists():
+            stored = json.loads(path.read_text())
+            if protocol(stored["run_config"]) == protocol(run_config):
+                return stored
+            print(f"{path}: ran under another protocol (COMMON, the pool or the scenario "
+                  "changed since); not used", file=sys.stderr)
+        if self.federation is None or not may_run:
+            return None
         run = self.federation.run(ROOT, run_config, num_supernodes=self.num_clients,
                                   timeout=1800)
         if not run.ok:
@@ -194,6 +236,7 @@ class Matrix:
             return None
         record = {"scenario": scenario, "label": item.label, "stage": stage,
                   "config": config, "seed": seed, "run_config": run_config,
+                  "commit": produced_by(),
                   **summarize_run(json.loads((out / "results.json").read_text()))}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
@@ -210,6 +253,19 @@ class Matrix:
         if len(done) < len(cells):
             return {}, False
         return max(done, key=lambda cr: cr[1]["accuracy_weighted"])[0], True
+
+
+    def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
+        """The ablation's cells on the report seeds (none before its row is tuned)."""
+        item = next(e for e in SCENARIOS[ablation.scenario][1] if e.label == ablation.label)
+        config, tuned = self.tuned(ablation.scenario, item, tune=False)
+        if not tuned:
+            print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
+                  file=sys.stderr)
+            return []
+        return [c for seed in REPORT_SEEDS if (c := self.cell(
+            ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
+            may_run=may_run)) is not None]
 
 
 def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
@@ -260,6 +316,26 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{r['accuracy_min'][0]:.4f} | {r['mb_up'][0]:.2f} | "
                      f"{r['seconds'][0]:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def ablation_table(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Each ablation against its row, both on the report seeds."""
+    lines = ["| row | change | question | seeds | final acc (mean ± std) | min client | "
+             "row's final acc | difference (points) |", "|---|---|---|---|---|---|---|---|"]
+    for ablation in ABLATIONS:
+        row = stats.get(ablation.scenario, {}).get(ablation.label)
+        cells = matrix.ablation(ablation, may_run=False)
+        if row is None or not cells:
+            continue
+        acc = [c["accuracy_weighted"] for c in cells]
+        mean, std = statistics.mean(acc), statistics.stdev(acc) if len(acc) > 1 else 0.0
+        low = statistics.mean(c["accuracy_min"] for c in cells)
+        lines.append(
+            f"| {ablation.scenario}/{ablation.label} ({row['config']}) | "
+            f"{config_tag(ablation.change)} | {ablation.question} | {len(cells)} | "
+            f"{mean:.4f} ± {std:.4f} | {low:.4f} | "
+            f"{row['accuracy'][0]:.4f} | {100 * (mean - row['accuracy'][0]):+.1f} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
 def claims(stats: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
@@ -354,11 +430,15 @@ def write_report(matrix: Matrix, command: str) -> str:
     stats = {s: rows for s, rows in stats.items() if rows}
     out = matrix.out
     cells = sorted((out / "matrix" / "cells").rglob("*.json"))
+    commits = collections.Counter(json.loads(c.read_text()).get("commit", "not recorded")
+                                  for c in cells)
     parts = [
         "# Evidence matrix\n\n",
         f"```\n{command}\n```\n\n",
-        "Written by `bench/matrix.py` from the stored cells (`matrix/cells/`, one JSON per run: "
-        f"{len(cells)} now). Protocol: {POOL_SIZE} Fashion-MNIST training images drawn with "
+        f"Written by `bench/matrix.py` (commit `{produced_by()}`) from the stored cells "
+        f"(`matrix/cells/`, one JSON per run: {len(cells)} now; the code that ran them: "
+        + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "). "
+        f"Protocol: {POOL_SIZE} Fashion-MNIST training images drawn with "
         f"seed 0 from the real IDX files, {NUM_CLIENTS} clients, each keeping "
         f"{COMMON['test-fraction']} of its share as its test split; the CNN, "
         f"{COMMON['num-server-rounds']} rounds, {COMMON['local-epochs']} local epochs, batch "
@@ -371,6 +451,10 @@ def write_report(matrix: Matrix, command: str) -> str:
         "A row marked *not tuned yet* ran its defaults.\n\n",
         "## Paper claims\n\n", "\n".join(claims(stats)), "\n\n",
     ]
+    ablations = ablation_table(matrix, stats)
+    if ablations:
+        parts += ["## Ablations\n\nA row's tuned configuration with one change, on the same "
+                  "report seeds, where a claim did not hold.\n\n", ablations, "\n"]
     for scenario, rows in stats.items():
         parts += [f"## {scenario}\n\n", table(list(rows.values())),
                   f"\n![{scenario}](matrix/accuracy-{scenario}.png)\n\n"]
@@ -396,17 +480,23 @@ def main() -> None:
     parser.add_argument("--stage", choices=("all", "tune", "report"), default="all",
                         help="report alone runs untuned rows on their defaults")
     parser.add_argument("--write-only", action="store_true", help="no runs, only the report")
+    parser.add_argument("--ablations", action="store_true",
+                        help="run the ablations of tuned rows (ABLATIONS), then the report")
     args = parser.parse_args()
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
     common = {**COMMON, "dataset": str(pool_file())}
     command = "python bench/matrix.py"
+    only = [o for o in args.only.split(",") if o]
     if not args.write_only:
         with LocalFederation() as federation:
-            run(Matrix(federation, common),
-                select(args.scenarios.split(","), [o for o in args.only.split(",") if o]),
-                args.stage)
+            matrix = Matrix(federation, common)
+            if not args.ablations:
+                run(matrix, select(args.scenarios.split(","), only), args.stage)
+            if args.ablations or (not only and args.stage == "all"):
+                for ablation in ABLATIONS:  # the whole matrix ends with them
+                    matrix.ablation(ablation)
     print(write_report(Matrix(None, common), command))
 
 

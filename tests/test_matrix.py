@@ -25,6 +25,13 @@ def _row(accuracy: float, mb_up: float = 10.0) -> dict:
     return {"accuracy": (accuracy, 0.0), "mb_up": (mb_up, 0.0)}
 
 
+def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
+    # Flower's FAB manifest is comma-separated: such a name under the app breaks `flwr run .`
+    path = matrix.cell_path(matrix.ROOT, "dirichlet-0.1", "fedfac@dynamic", "tune",
+                            {"lr": 0.02, "fedfac.tau-quantile": 0.3}, 0)
+    assert "," not in path.name and "lr=0.02" in path.name
+
+
 def test_claims_are_judged_on_the_thresholds_and_missing_rows_say_not_measured():
     stats = {
         "dirichlet-0.1": {"fedavg": _row(0.60), "feddecomp": _row(0.66), "fedper": _row(0.68),
@@ -75,6 +82,9 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     # resumed: nothing is run again
     matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
     assert [c.stat().st_mtime_ns for c in cells] == stamps
+    # a cell run under another protocol is never read as today's
+    other = Matrix(None, {**common, "num-server-rounds": 3}, tmp_path)
+    assert other.cell("dirichlet-0.1", chosen[0][1], "report", {}, 1) is None
 
     report = write_report(Matrix(None, common, tmp_path), "python bench/matrix.py")
     assert (tmp_path / "report.md").read_text() == report
@@ -86,3 +96,30 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     assert "FedDecomp >= FedAvg + 5 points on Dirichlet 0.1: **not measured**" in report
     assert (tmp_path / "matrix" / "accuracy-dirichlet-0.1.png").stat().st_size > 0
     assert (tmp_path / "matrix" / "accuracy-vs-uplink.png").stat().st_size > 0
+
+
+def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federation, tmp_path,
+                                                                       monkeypatch):
+    """The tuning cells are written here (their accuracies decide which configuration is
+    kept); the ablation itself is a real run."""
+    monkeypatch.setattr(matrix, "REPORT_SEEDS", (1,))
+    common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 2, "plot": False}
+    probe = matrix.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
+    monkeypatch.setattr(matrix, "ABLATIONS", [probe])
+    grid = tuning_grid("feddecomp")
+    offline = Matrix(None, common, tmp_path, num_clients=3)
+    assert offline.ablation(probe) == []  # its row is not tuned yet
+    item = next(e for e in SCENARIOS["dirichlet-0.1"][1] if e.label == "feddecomp")
+    best = grid[2]
+    for k, config in enumerate(grid):
+        path = matrix.cell_path(tmp_path, "dirichlet-0.1", "feddecomp", "tune", config, 0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"run_config": offline.run_config(
+            "dirichlet-0.1", item, config, 0, tmp_path), "config": config,
+            "accuracy_weighted": 0.9 if config == best else 0.1 * k}))
+
+    [cell] = Matrix(federation, common, tmp_path, num_clients=3).ablation(probe)
+    assert cell["stage"] == "ablation" and cell["config"] == {**best, "feddecomp.rank": 1.0}
+    assert cell["run_config"]["lr"] == best["lr"]
+    assert cell["run_config"]["feddecomp.rank-conv"] == 1.0 != best["feddecomp.rank"]
+    assert offline.ablation(probe) == [cell]  # stored: not run again
