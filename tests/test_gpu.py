@@ -1,0 +1,47 @@
+"""On a machine with a CUDA device (skipped elsewhere, CI included): every method's clients
+train and evaluate on the GPU in a real deployment (``flower-superlink`` plus two
+``flower-supernode`` processes, each ClientApp a process of its own).
+
+``device = "cuda"`` makes a client refuse to start without a visible CUDA device, so a run that
+completes with it trained every client there; the personal state written to each site's state
+directory must load on a machine without one (tensors saved from the CPU)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.local_deployment import LocalDeployment
+from strategies.registry import REGISTRY
+from tests.conftest import read_results
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+ROOT = Path(__file__).resolve().parents[1]
+# two local epochs: FedRep's and FedDecomp's two phases both run each round
+CONFIG = {"device": "cuda", "num-server-rounds": 2, "local-epochs": 2, "min-nodes": 2,
+          "plot": False, "round-timeout": 300.0}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    with LocalDeployment(2, home=tmp_path_factory.mktemp("home")) as running:
+        yield running
+
+
+@pytest.mark.parametrize("method", sorted(REGISTRY))
+def test_every_method_trains_its_clients_on_the_gpu(deployment, method, tmp_path):
+    out = tmp_path / "out"
+    run = deployment.run(ROOT, {**CONFIG, "method": method, "output-dir": str(out)})
+    assert run.ok, run.output[-3000:]
+    results = read_results(out)
+    final = results["final"]
+    assert sorted(results["rounds"][-1]["eval"]["per_client"]) == ["site-0", "site-1"]
+    assert math.isfinite(final["accuracy_weighted"]) and final["accuracy_weighted"] > 0.3
+    for site in range(2):  # loaded as saved (no map_location): a CUDA tensor comes back on CUDA
+        saved = torch.load(deployment.state_dir(site) / f"site-{site}.pt", weights_only=True)
+        assert saved["method"] == method
+        assert {t.device.type for t in saved["personal"].values()} <= {"cpu"}
