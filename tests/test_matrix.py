@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 
 import pytest
 
 from bench import matrix
 from bench.matrix import SCENARIOS, Matrix, claims, select, tuning_grid, write_report
+from tests.conftest import ROOT
 
 
 def test_every_row_gets_the_same_tuning_budget_of_learning_rate_and_one_hyperparameter():
@@ -69,6 +71,8 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     assert [item.label for _, item in chosen] == ["fedavg", "local"]
 
     matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.strip()
     cells = sorted((tmp_path / "matrix" / "cells").rglob("*.json"))
     assert len(cells) == 4
     stamps = [c.stat().st_mtime_ns for c in cells]
@@ -78,6 +82,7 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
                               / "results.json").read_text())
         assert cell["accuracy_weighted"] == results["final"]["accuracy_weighted"]
         assert cell["run_config"]["num-server-rounds"] == 2 and len(cell["rounds"]) == 2
+        assert cell["commit"].removesuffix("-dirty") == head  # which code produced it
 
     # resumed: nothing is run again
     matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
