@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from bench.data import ensure_dataset  # noqa: E402
 from bench.report import RESULTS, produced_by  # noqa: E402
 from bench.run_methods import MB  # noqa: E402
+from common.config import app_packages  # noqa: E402
 from common.local_federation import LocalFederation  # noqa: E402
 from fldata.sources import idx_pool  # noqa: E402
 
@@ -128,10 +129,10 @@ ABLATIONS = [
 
 def expand(config: dict[str, Any]) -> dict[str, Any]:
     """Run-config overrides of a tuning configuration (``feddecomp.rank`` sets both ranks)."""
-    out = dict(config)
-    if "feddecomp.rank" in out:
-        rank = out.pop("feddecomp.rank")
-        out.update({"feddecomp.rank-conv": rank, "feddecomp.rank-linear": rank})
+    out = {k: v for k, v in config.items() if k != "feddecomp.rank"}
+    if "feddecomp.rank" in config:  # a rank key given as well wins
+        rank = config["feddecomp.rank"]
+        out = {"feddecomp.rank-conv": rank, "feddecomp.rank-linear": rank, **out}
     return out
 
 
@@ -220,12 +221,14 @@ class Matrix:
         run_config = self.run_config(scenario, item, config, seed, out)
         if path.exists():
             stored = json.loads(path.read_text())
-            if protocol(stored["run_config"]) == protocol(run_config):
+            if (protocol(stored["run_config"]) == protocol(run_config)
+                    and stored.get("num_clients") == self.num_clients):
                 return stored
-            print(f"{path}: ran under another protocol (COMMON, the pool or the scenario "
-                  "changed since); not used", file=sys.stderr)
+            print(f"{path}: ran under another protocol (COMMON, the pool, the scenario or "
+                  "the number of clients changed since); not used", file=sys.stderr)
         if self.federation is None or not may_run:
             return None
+        commit = produced_by("pyproject.toml", *app_packages(ROOT))  # code the run starts with
         run = self.federation.run(ROOT, run_config, num_supernodes=self.num_clients,
                                   timeout=1800)
         if not run.ok:
@@ -236,7 +239,7 @@ class Matrix:
             return None
         record = {"scenario": scenario, "label": item.label, "stage": stage,
                   "config": config, "seed": seed, "run_config": run_config,
-                  "commit": produced_by(),
+                  "num_clients": self.num_clients, "commit": commit,
                   **summarize_run(json.loads((out / "results.json").read_text()))}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
@@ -436,11 +439,12 @@ def write_report(matrix: Matrix, command: str) -> str:
         "# Evidence matrix\n\n",
         f"```\n{command}\n```\n\n",
         f"Written by `bench/matrix.py` (commit `{produced_by()}`) from the stored cells "
-        f"(`matrix/cells/`, one JSON per run: {len(cells)} now; the code that ran them: "
+        f"(`matrix/cells/`, one JSON per run: {len(cells)} stored; the code that ran them: "
         + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "). "
         f"Protocol: {POOL_SIZE} Fashion-MNIST training images drawn with "
-        f"seed 0 from the real IDX files, {NUM_CLIENTS} clients, each keeping "
-        f"{COMMON['test-fraction']} of its share as its test split; the CNN, "
+        f"seed 0 from the real IDX files, {matrix.num_clients} clients, each keeping "
+        f"{COMMON['test-fraction']} of its share as its test split; the CNN (an MLP on "
+        f"the synthetic data), "
         f"{COMMON['num-server-rounds']} rounds, {COMMON['local-epochs']} local epochs, batch "
         f"{COMMON['batch-size']}, momentum {COMMON['momentum']} for every method. Tuning on "
         f"seed {TUNING_SEED} (four runs per method: the learning rate, and the main "
@@ -496,7 +500,8 @@ def main() -> None:
                 run(matrix, select(args.scenarios.split(","), only), args.stage)
             if args.ablations or (not only and args.stage == "all"):
                 for ablation in ABLATIONS:  # the whole matrix ends with them
-                    matrix.ablation(ablation)
+                    if ablation.scenario in args.scenarios.split(","):
+                        matrix.ablation(ablation)
     print(write_report(Matrix(None, common), command))
 
 

@@ -9,15 +9,22 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def produced_by() -> str:
-    """The commit whose code is running (``-dirty``: with uncommitted changes), so that a
-    table read later says which code its numbers belong to."""
+def produced_by(*paths: str) -> str:
+    """The commit whose code is running, so that a table read later says which code its
+    numbers belong to; ``-dirty`` when it runs with uncommitted changes (to ``paths`` only,
+    where given: the code the numbers depend on, not the reports a benchmark rewrites)."""
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                              cwd=RESULTS.parent, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        if not paths:
+            return _git("describe", "--always", "--dirty", "--abbrev=7")
+        changed = _git("status", "--porcelain", "--", *paths)
+        return _git("describe", "--always", "--abbrev=7") + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=RESULTS.parents[1], capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def write_report(name: str, title: str, command: str, body: str) -> str:

@@ -46,6 +46,13 @@ def app_defaults(root: Path = APP_ROOT) -> dict[str, Any]:
     return dict(pyproject["tool"]["flwr"]["app"]["config"])
 
 
+def app_packages(root: Path = APP_ROOT) -> list[str]:
+    """The app's Python packages (``[tool.setuptools.packages.find] include``): the code that
+    travels in its bundle and that results depend on."""
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    return [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+
+
 def one_of(key: str, value: str, allowed: Iterable[str]) -> str:
     """Return ``value`` if it is in ``allowed``, else raise a one-line ConfigError."""
     allowed = list(allowed)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from common.config import app_defaults
+from common.config import app_defaults, app_packages
 from common.local_federation import LocalFederation
 
 ROOT = Path(__file__).resolve().parents[1]
-APP_PACKAGES = ["server_app", "client_app", "strategies", "models", "fldata", "common"]
+APP_PACKAGES = app_packages(ROOT)
 
 
 def app_config(**overrides: Any) -> dict[str, Any]:

@@ -23,6 +23,13 @@ def test_every_row_gets_the_same_tuning_budget_of_learning_rate_and_one_hyperpar
             assert len({json.dumps(c, sort_keys=True) for c in grid}) == 4, item.label
 
 
+def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
+    assert matrix.expand({"lr": 0.05, "feddecomp.rank": 0.25}) == {
+        "lr": 0.05, "feddecomp.rank-conv": 0.25, "feddecomp.rank-linear": 0.25}
+    assert matrix.expand({"feddecomp.rank": 0.25, "feddecomp.rank-conv": 1.0}) == {
+        "feddecomp.rank-conv": 1.0, "feddecomp.rank-linear": 0.25}
+
+
 def _row(accuracy: float, mb_up: float = 10.0) -> dict:
     return {"accuracy": (accuracy, 0.0), "mb_up": (mb_up, 0.0)}
 
@@ -71,7 +78,7 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     assert [item.label for _, item in chosen] == ["fedavg", "local"]
 
     matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT,
+    head = subprocess.run(["git", "describe", "--always", "--abbrev=7"], cwd=ROOT,
                           capture_output=True, text=True, check=True).stdout.strip()
     cells = sorted((tmp_path / "matrix" / "cells").rglob("*.json"))
     assert len(cells) == 4
@@ -88,10 +95,13 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
     assert [c.stat().st_mtime_ns for c in cells] == stamps
     # a cell run under another protocol is never read as today's
-    other = Matrix(None, {**common, "num-server-rounds": 3}, tmp_path)
+    other = Matrix(None, {**common, "num-server-rounds": 3}, tmp_path, num_clients=3)
     assert other.cell("dirichlet-0.1", chosen[0][1], "report", {}, 1) is None
+    more_clients = Matrix(None, common, tmp_path, num_clients=4)
+    assert more_clients.cell("dirichlet-0.1", chosen[0][1], "report", {}, 1) is None
 
-    report = write_report(Matrix(None, common, tmp_path), "python bench/matrix.py")
+    report = write_report(Matrix(None, common, tmp_path, num_clients=3),
+                          "python bench/matrix.py")
     assert (tmp_path / "report.md").read_text() == report
     fedavg = [json.loads(c.read_text())["accuracy_weighted"] for c in cells
               if c.parent.name == "fedavg"]
@@ -121,7 +131,7 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"run_config": offline.run_config(
             "dirichlet-0.1", item, config, 0, tmp_path), "config": config,
-            "accuracy_weighted": 0.9 if config == best else 0.1 * k}))
+            "num_clients": 3, "accuracy_weighted": 0.9 if config == best else 0.1 * k}))
 
     [cell] = Matrix(federation, common, tmp_path, num_clients=3).ablation(probe)
     assert cell["stage"] == "ablation" and cell["config"] == {**best, "feddecomp.rank": 1.0}
