@@ -162,6 +162,7 @@ class RunSettings(KeyGroup):
     data_cache: str = key("data-cache")
     partitioner: str = key("partitioner", choices=PARTITIONERS)
     dirichlet_alpha: float = key("dirichlet-alpha", low=0, low_open=True)
+    min_partition_size: int = key("min-partition-size", low=0)
     classes_per_client: int = key("classes-per-client", low=1)
     domain_groups: int = key("domain-groups", low=1)
     permute_labels: bool = key("permute-labels")

@@ -31,8 +31,8 @@ import numpy as np
 FORMAT = 1
 ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "dirichlet-alpha",
-             "classes-per-client", "domain-groups", "seed", "test-fraction", "permute-labels",
-             "num-classes", "input-shape")
+             "min-partition-size", "classes-per-client", "domain-groups", "seed", "test-fraction",
+             "permute-labels", "num-classes", "input-shape")
 
 
 def default_cache_dir(state_dir: str | None) -> Path:

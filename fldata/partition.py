@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.config import RunSettings
+from common.config import ConfigError, RunSettings
 
 if TYPE_CHECKING:  # flwr-datasets and datasets load in seconds: only where a pool is split
     from flwr_datasets.partitioner import Partitioner
@@ -37,7 +37,7 @@ def make_partitioner(settings: RunSettings, num_partitions: int, pool_size: int,
     if settings.partitioner == "dirichlet":
         return DirichletPartitioner(
             num_partitions, partition_by, settings.dirichlet_alpha,
-            min_partition_size=min(10, pool_size // (2 * num_partitions)),
+            min_partition_size=min_partition_size(settings, num_partitions, pool_size),
             self_balancing=False, shuffle=True, seed=settings.seed)
     if settings.partitioner == "pathological":
         # "deterministic": client i holds classes i, i+1, ..., i+k-1 (mod C), so neighbouring
@@ -47,6 +47,12 @@ def make_partitioner(settings: RunSettings, num_partitions: int, pool_size: int,
             class_assignment_mode="deterministic", shuffle=True, seed=settings.seed)
     return DomainPartitioner(num_partitions, settings.domain_groups, partition_by,
                              seed=settings.seed)
+
+
+def min_partition_size(settings: RunSettings, num_partitions: int, pool_size: int) -> int:
+    """Dirichlet: the fewest examples a client may get (``min-partition-size``, at most half
+    an even share, so that small pools stay drawable)."""
+    return min(settings.min_partition_size, pool_size // (2 * num_partitions))
 
 
 # Partitioners with their pool assigned, per (labels, partition settings, number of
@@ -59,8 +65,8 @@ _KEEP = 4
 
 
 def _partition_settings(settings: RunSettings) -> tuple:
-    return (settings.partitioner, settings.dirichlet_alpha, settings.classes_per_client,
-            settings.domain_groups, settings.seed)
+    return (settings.partitioner, settings.dirichlet_alpha, settings.min_partition_size,
+            settings.classes_per_client, settings.domain_groups, settings.seed)
 
 
 def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: int,
@@ -80,7 +86,20 @@ def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: i
         while len(_PARTITIONERS) >= _KEEP:
             _PARTITIONERS.pop(next(iter(_PARTITIONERS)))
         _PARTITIONERS[key] = partitioner
-    return np.sort(np.asarray(partitioner.load_partition(partition_id)["idx"], dtype=np.int64))
+    try:
+        indices = partitioner.load_partition(partition_id)["idx"]
+    except ValueError as error:
+        if settings.partitioner != "dirichlet":
+            raise
+        # flwr-datasets redraws up to 10 times while a client has too few examples; many
+        # clients on a small pool (1,000 clients of 20 examples on average) never get there
+        raise ConfigError(
+            f"dirichlet: no draw in 10 gave each of {num_partitions} clients at least "
+            f"{min_partition_size(settings, num_partitions, len(labels))} of the pool's "
+            f"{len(labels)} examples (dirichlet-alpha={settings.dirichlet_alpha}); lower "
+            "min-partition-size (2 keeps one train and one test example), raise "
+            "dirichlet-alpha, or use fewer clients") from error
+    return np.sort(np.asarray(indices, dtype=np.int64))
 
 
 def label_permutation(num_classes: int, seed: int, partition_id: int) -> np.ndarray:

@@ -61,3 +61,13 @@ def test_changed_source_file_is_a_new_split(tmp_path):
     after = _data(cache, dataset=str(pool))
     assert _same(after, _data(None, dataset=str(pool)))
     assert not _same(before, after)
+
+
+def test_a_changed_min_partition_size_is_a_new_split(tmp_path):
+    # Dirichlet 0.1 over 10 clients leaves one with 19 digits: a minimum of 30 redraws
+    sparse = {"partitioner": "dirichlet", "dirichlet-alpha": 0.1}
+    first = _data(tmp_path, 10, **sparse)
+    cached = _data(tmp_path, 10, **sparse, **{"min-partition-size": 30})
+    assert _same(cached, _data(None, 10, **sparse, **{"min-partition-size": 30}))
+    assert not _same(first, cached)
+    assert len(list(tmp_path.iterdir())) == 2

@@ -128,3 +128,13 @@ def test_a_process_partitions_the_pool_once_and_gives_what_a_fresh_partitioning_
                               0, 20)
     assert not np.array_equal(other, shared[0])
     assert len(partition_indices(y, s, 0, 10)) != len(shared[0])
+
+
+def test_many_clients_on_a_small_pool_get_a_clear_error_and_min_partition_size_fixes_it():
+    # 1,000 clients of 20 examples on average: Dirichlet 0.5 never gives all of them 10
+    labels = np.random.default_rng(0).integers(0, 10, 20_000)
+    with pytest.raises(ConfigError, match="lower min-partition-size"):
+        partition_indices(labels, settings(partitioner="dirichlet"), 0, 1000)
+    relaxed = settings(partitioner="dirichlet", **{"min-partition-size": 2})
+    sizes = [len(partition_indices(labels, relaxed, pid, 1000)) for pid in range(1000)]
+    assert min(sizes) >= 2 and sum(sizes) == len(labels)
