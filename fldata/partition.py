@@ -112,7 +112,9 @@ def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,
     """Stratified split of one client's examples: the test split has the train split's mix.
 
     Per class, ``round(test_fraction * n)`` examples go to test (a class with a single
-    example stays in train). Returns (train positions, test positions).
+    example stays in train). A client that would have no test example this way (a few
+    examples of different classes, as with 1,000 clients on a small pool) keeps one of them
+    back, so that it can still be evaluated. Returns (train positions, test positions).
     """
     rng = np.random.default_rng([seed, 104729, partition_id])
     train, test = [], []
@@ -121,4 +123,9 @@ def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,
         n_test = round(test_fraction * len(members)) if len(members) > 1 else 0
         test.append(members[:n_test])
         train.append(members[n_test:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+    train_positions, test_positions = np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+    if len(test_positions) == 0 and len(train_positions) > 1:
+        kept = rng.integers(len(train_positions))
+        test_positions = train_positions[kept:kept + 1]
+        train_positions = np.delete(train_positions, kept)
+    return train_positions, test_positions

@@ -97,6 +97,14 @@ def test_train_test_split_is_disjoint_and_stratified():
     assert np.bincount(labels[test], minlength=4).tolist() == [2, 4, 0, 1]
 
 
+@pytest.mark.parametrize("labels", [[3, 7], [0, 1, 2], [5, 5, 1, 2]])
+def test_a_client_of_a_few_single_examples_still_gets_a_test_example(labels):
+    # stratified, each label's single example would stay in train and leave no test split
+    train, test = train_test_split(np.array(labels), 0.2, seed=0, partition_id=0)
+    assert len(test) == 1 and len(train) == len(labels) - 1
+    assert sorted([*train, *test]) == list(range(len(labels)))
+
+
 def test_partition_id_out_of_range_is_a_clear_error():
     with pytest.raises(ConfigError, match="partition-id"):
         load_client_data(settings(), 4, 4)
