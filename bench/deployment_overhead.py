@@ -106,6 +106,10 @@ def main() -> None:
             with LocalDeployment(args.sites) as deployment:
                 rows[f"deployment, {label}"] = measure(
                     deployment, setting, Path(tmp) / f"dep-{fused}")
+            if fused:  # the sites' threads: shared out (the default) or PyTorch's own
+                with LocalDeployment(args.sites, site_threads=0) as deployment:
+                    rows[f"deployment, {label}, PyTorch's default threads"] = measure(
+                        deployment, setting, Path(tmp) / "dep-default-threads")
             with LocalFederation() as federation:
                 rows[f"simulation, {label}"] = measure(
                     federation, setting, Path(tmp) / f"sim-{fused}", num_supernodes=args.sites)

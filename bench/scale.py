@@ -92,10 +92,10 @@ def per_client_state(out: Path) -> tuple[int, int]:
     """(bytes of the strategy's per-client tables as the checkpoint stores them, number of
     clients in them)."""
     strategy = load_tree(out / CHECKPOINT)["strategy"]
-    tables = {k: v for k, v in strategy.items() if isinstance(v, dict)}
-    clients = set()
-    for table in tables.values():
-        clients |= set(table)
+    clients = set(strategy["last_seen"])  # every client id the server has heard from
+    # the tables keyed by client id (not, e.g., FedFac's split, keyed by layer)
+    tables = {k: v for k, v in strategy.items()
+              if isinstance(v, dict) and v and set(v) <= clients}
     stored = out / "per-client-tables.npz"
     save_tree(stored, tables)
     return stored.stat().st_size, len(clients)

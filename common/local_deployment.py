@@ -70,13 +70,16 @@ class LocalDeployment(LocalFederation):
     ``node_names[site]`` (default ``site-<k>``) before its SuperNode starts.
     ``client_ids[site]``: the client id a site says it is (default ``site-<k>``);
     ``start_sites``: the sites started on entering (default: all; start others with
-    ``start_site``)."""
+    ``start_site``). ``site_threads``: the CPU threads each site's training may use
+    (``OMP_NUM_THREADS`` of its SuperNode and the ClientApps it starts); default: this
+    machine's cores shared out among the sites, as if each site were a machine of its own
+    (PyTorch would otherwise give every site all cores); 0 leaves PyTorch's default."""
 
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
                  home: str | Path | None = None, namespaces: bool = False,
                  supernode_auth: bool = False, node_names: dict[int, str] | None = None,
                  client_ids: dict[int, str] | None = None,
-                 start_sites: list[int] | None = None) -> None:
+                 start_sites: list[int] | None = None, site_threads: int | None = None) -> None:
         super().__init__(home)
         if supernode_auth and not certs_dir:
             raise ValueError("SuperNode authentication needs TLS (certs_dir)")
@@ -86,6 +89,8 @@ class LocalDeployment(LocalFederation):
         self.node_names = {k: f"site-{k}" for k in range(num_sites)} | (node_names or {})
         self.client_ids = {k: f"site-{k}" for k in range(num_sites)} | (client_ids or {})
         self.start_sites = list(range(num_sites)) if start_sites is None else start_sites
+        self.site_threads = (max(1, (os.cpu_count() or 1) // num_sites)
+                             if site_threads is None else site_threads)
         self.site_ports = [free_port() for _ in range(num_sites)]
         self.sites: dict[int, subprocess.Popen] = {}
         self.namespaces = namespaces
@@ -126,11 +131,12 @@ class LocalDeployment(LocalFederation):
                 with contextlib.suppress(subprocess.CalledProcessError, OSError):
                     _ip(*args)
 
-    def _spawn(self, command: list[str], log_name: str) -> subprocess.Popen:
+    def _spawn(self, command: list[str], log_name: str,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.home / log_name, "ab")  # noqa: SIM115 (outlives this call)
         # the SuperExec a SuperNode starts looks for new work (each message's ClientApp)
         # every second by default
-        env = {**self.env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}
+        env = {**self.env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2", **(env or {})}
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -213,7 +219,8 @@ class LocalDeployment(LocalFederation):
             [*prefix, "flower-supernode", *security, "--superlink",
              f"{self._superlink_address(site)}:{self.http_port}",
              "--host", "127.0.0.1", "--port", str(self.site_ports[site]),
-             "--node-config", node_config], f"site-{site}.log")
+             "--node-config", node_config], f"site-{site}.log",
+            {"OMP_NUM_THREADS": str(self.site_threads)} if self.site_threads else None)
 
     def kill_site(self, site: int) -> None:
         """SIGKILL the site's SuperNode and everything it started (a crash)."""
