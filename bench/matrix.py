@@ -228,7 +228,7 @@ class Matrix:
                   "the number of clients changed since); not used", file=sys.stderr)
         if self.federation is None or not may_run:
             return None
-        commit = produced_by("pyproject.toml", *app_packages(ROOT))  # code the run starts with
+        commit = produced_by("pyproject.toml", *app_packages())  # the code the run starts with
         run = self.federation.run(ROOT, run_config, num_supernodes=self.num_clients,
                                   timeout=1800)
         if not run.ok:

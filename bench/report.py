@@ -11,11 +11,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def produced_by(*paths: str) -> str:
     """The commit whose code is running, so that a table read later says which code its
-    numbers belong to; ``-dirty`` when it runs with uncommitted changes (to ``paths`` only,
-    where given: the code the numbers depend on, not the reports a benchmark rewrites)."""
+    numbers belong to; ``-dirty`` when it runs with uncommitted changes to ``paths`` (default:
+    the app and the benchmarks, not the results they rewrite)."""
+    from common.config import app_packages
+
+    paths = paths or ("pyproject.toml", *app_packages(), "bench", ":(exclude)bench/results")
     try:
-        if not paths:
-            return _git("describe", "--always", "--dirty", "--abbrev=7")
         changed = _git("status", "--porcelain", "--", *paths)
         return _git("describe", "--always", "--abbrev=7") + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
