@@ -4,7 +4,8 @@
     python bench/scale.py --parts ratio        # or: thousand, methods
 
 - ``ratio``: FedAvg on the same 20,000-image pool (Fashion-MNIST, seeded subsample) split
-  over 10 and over 100 clients (Dirichlet 0.5, 3 rounds): seconds per round and their ratio.
+  over 10 and over 100 clients (Dirichlet 0.5, 3 rounds): seconds per round and their ratio,
+  ``--repeats`` interleaved pairs (the median of the pairs' ratios is reported).
 - ``thousand``: FedAvg with 1,000 clients, ``fraction-train = 0.1``, 5 rounds.
 - ``methods``: each of the four paper methods, 1,000 clients, ``fraction-train = 0.1``,
   3 rounds.
@@ -125,6 +126,7 @@ def run(federation: LocalFederation, config: dict[str, Any], clients: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="ratio,thousand,methods")
+    parser.add_argument("--repeats", type=int, default=3, help="ratio: interleaved pairs")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     rows: dict[str, dict[str, Any]] = {}
@@ -133,10 +135,11 @@ def main() -> None:
         base = {"dataset": str(pool), "partitioner": "dirichlet", "dirichlet-alpha": 0.5,
                 "local-epochs": 1}
         if "ratio" in parts:
-            for clients in (10, 100):
-                rows[f"fedavg, {clients} clients"] = run(
-                    federation, {**base, "method": "fedavg", "num-server-rounds": 3},
-                    clients, Path(tmp) / f"ratio-{clients}")
+            for repeat in range(1, args.repeats + 1):
+                for clients in (10, 100):
+                    rows[f"fedavg, {clients} clients (pair {repeat})"] = run(
+                        federation, {**base, "method": "fedavg", "num-server-rounds": 3},
+                        clients, Path(tmp) / f"ratio-{clients}-{repeat}")
         # 1,000 clients of 20 images on average: Dirichlet 0.5 cannot give each 10
         thousand = {**base, "min-partition-size": 2, "fraction-train": 0.1,
                     "fraction-evaluate": 0.1}
@@ -157,11 +160,15 @@ def main() -> None:
                      f"{r['serverapp_mb']:.0f} MB | {r['worker_mb']:.0f} MB | "
                      f"{r['state_bytes_per_client'] / 1024:.1f} KiB ({r['known_clients']}) | "
                      f"{r['accuracy']:.4f} ({r['evaluated']}) |")
-    ten, hundred = rows.get("fedavg, 10 clients"), rows.get("fedavg, 100 clients")
-    if ten and hundred:
-        ratio = hundred["round_seconds"] / ten["round_seconds"]
-        lines += ["", f"100 vs 10 clients, same data: **{ratio:.2f}x** seconds per round."]
-    command = f"python bench/scale.py --parts {args.parts}"
+    ratios = [rows[f"fedavg, 100 clients (pair {k})"]["round_seconds"]
+              / rows[f"fedavg, 10 clients (pair {k})"]["round_seconds"]
+              for k in range(1, args.repeats + 1) if "ratio" in parts]
+    if ratios:
+        lines += ["", f"100 vs 10 clients, same data: **{statistics.median(ratios):.2f}x** "
+                  f"seconds per round (median of {len(ratios)} interleaved pairs: "
+                  + ", ".join(f"{r:.2f}x" for r in ratios) + ")."]
+    command = f"python bench/scale.py --parts {args.parts}" + (
+        f" --repeats {args.repeats}" if "ratio" in parts else "")
     name = "scale-" + "-".join(args.parts.split(","))  # one report per set of parts
     write_report(name, "Many clients on one machine (Fashion-MNIST, 20,000 images)",
                  command, "\n".join(lines) + "\n")
