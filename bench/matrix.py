@@ -124,6 +124,13 @@ ABLATIONS = [
              "Is the personal part too small? B A as large as the layer (rank ratio 1)."),
     Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.bn-stats": "personal"},
              "Do averaged BatchNorm statistics cost it? Running statistics kept per client."),
+    Ablation("permuted-labels", "factorized-fl", {"factorized-fl.tau": 1.0},
+             "The factorized model or the matching? With tau = 1 a client averages only with "
+             "matching vectors pointing exactly its way (itself): the model trained locally."),
+    Ablation("permuted-labels", "factorized-fl", {"factorized-fl.variant": "u-paper"},
+             "The paper's shared set: only u (biases and BatchNorm affine stay personal)."),
+    Ablation("permuted-labels", "factorized-fl", {"factorized-fl.l1": 0.0},
+             "Does the sparsity penalty on mu cost it? No L1."),
 ]
 
 
