@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -38,11 +39,37 @@ from typing import Any
 
 import tomli_w
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port to give a server we start, free now and below the kernel's ephemeral range:
+    a port taken from that range (``bind(0)``) is released before our server binds it, and
+    Flower's own processes (a SuperLink's runtime API, a SuperExec) bind ephemeral ports in
+    the meantime; one of them once took a SuperNode's port, which then could not start."""
+    rng = random.SystemRandom()
+    low = _ephemeral_low()
+    for _ in range(200):
+        # above 20,000: Ray gives its workers ports 10,002-19,999
+        port = rng.randrange(20_000, low) if low > 21_000 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = sock.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.local_federation import descendant_groups
+from common.local_federation import _ephemeral_low, descendant_groups, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,3 +89,12 @@ def test_sigterm_mid_run_stops_everything_the_federation_started(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
+    # a port from the ephemeral range can be taken by Flower's own processes (a SuperLink's
+    # runtime API did take a SuperNode's) between our choosing it and our server binding it
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(20_000 <= p < _ephemeral_low() for p in ports)
+
