@@ -352,13 +352,18 @@ def claims(stats: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """Each paper claim checked against the table's means; "not measured" where a row is
     missing. Points are accuracy percentage points."""
 
-    def acc(scenario: str, label: str) -> float | None:
+    def complete(scenario: str, label: str) -> dict[str, Any] | None:
+        """The row if it is tuned and has every report seed (a verdict needs all of them)."""
         row = stats.get(scenario, {}).get(label)
+        return row if row and row["tuned"] and row["seeds"] == len(REPORT_SEEDS) else None
+
+    def acc(scenario: str, label: str) -> float | None:
+        row = complete(scenario, label)
         return None if row is None else 100 * row["accuracy"][0]
 
     def verdict(name: str, values: list[float | None], held: Any, detail: str) -> str:
         if any(v is None for v in values):
-            return f"- {name}: **not measured** (rows missing)"
+            return f"- {name}: **not measured** (rows missing or incomplete)"
         result = "held" if held(*values) else "did not hold"
         return f"- {name}: **{result}** ({detail.format(*values)})"
 
@@ -377,8 +382,8 @@ def claims(stats: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
                 [acc("pathological-2", "pfedc"), acc("pathological-2", "fedrep")],
                 lambda a, b: a >= b - 1, "{:.1f} vs {:.1f}"),
     ]
-    ffl = stats.get("permuted-labels", {}).get("factorized-fl")
-    avg = stats.get("permuted-labels", {}).get("fedavg")
+    ffl = complete("permuted-labels", "factorized-fl")
+    avg = complete("permuted-labels", "fedavg")
     out.append(verdict(
         "Factorized-FL >= Local - 1 point on permuted labels at <= 1/20 of FedAvg's uplink",
         [acc("permuted-labels", "factorized-fl"), acc("permuted-labels", "local"),

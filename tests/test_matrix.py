@@ -30,8 +30,8 @@ def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
         "feddecomp.rank-conv": 1.0, "feddecomp.rank-linear": 0.25}
 
 
-def _row(accuracy: float, mb_up: float = 10.0) -> dict:
-    return {"accuracy": (accuracy, 0.0), "mb_up": (mb_up, 0.0)}
+def _row(accuracy: float, mb_up: float = 10.0, seeds: int = 3, tuned: bool = True) -> dict:
+    return {"accuracy": (accuracy, 0.0), "mb_up": (mb_up, 0.0), "seeds": seeds, "tuned": tuned}
 
 
 def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
@@ -67,6 +67,12 @@ def test_claims_are_judged_on_the_thresholds_and_missing_rows_say_not_measured()
     stats["permuted-labels"]["factorized-fl"] = _row(0.80, 0.6)
     assert "**did not hold**" in next(line for line in claims(stats)
                                       if "Factorized-FL" in line)
+    # a row still running (one seed of three) or not tuned gives no verdict
+    stats["dirichlet-0.1"]["fedfac"] = _row(0.70, seeds=1)
+    stats["pathological-2"]["pfedc"] = _row(0.90, tuned=False)
+    partial = {line.split(":")[0][2:]: line for line in claims(stats)}
+    assert "**not measured**" in partial["FedFac (fedfac) >= FedAvg + 3 points on Dirichlet 0.1"]
+    assert "**not measured**" in partial["pFedC >= FedAvg + 5 points on pathological-2"]
 
 
 @pytest.mark.integration
