@@ -267,7 +267,7 @@ class Matrix:
 
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
         """The ablation's cells on the report seeds (none before its row is tuned)."""
-        item = next(e for e in SCENARIOS[ablation.scenario][1] if e.label == ablation.label)
+        [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
         config, tuned = self.tuned(ablation.scenario, item, tune=False)
         if not tuned:
             print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
@@ -299,6 +299,11 @@ def run(matrix: Matrix, chosen: list[tuple[str, Entry]], stage: str) -> None:
 
 # --------------------------------------------------------------------------- the report
 
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over seeds (0 for a single seed)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:
     config, tuned = matrix.tuned(scenario, item, tune=False)
     cells = [c for seed in REPORT_SEEDS if (c := matrix.cell(
@@ -306,14 +311,13 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
     if not cells:
         return None
 
-    def mean_std(key: str) -> tuple[float, float]:
-        values = [c[key] for c in cells]
-        return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    def over_seeds(key: str) -> tuple[float, float]:
+        return mean_std([c[key] for c in cells])
 
     return {"label": item.label, "config": config_tag(config), "tuned": tuned,
-            "seeds": len(cells), "accuracy": mean_std("accuracy_weighted"),
-            "accuracy_min": mean_std("accuracy_min"), "mb_up": mean_std("mb_up_total"),
-            "seconds": mean_std("seconds_total"), "cells": cells}
+            "seeds": len(cells), "accuracy": over_seeds("accuracy_weighted"),
+            "accuracy_min": over_seeds("accuracy_min"), "mb_up": over_seeds("mb_up_total"),
+            "seconds": over_seeds("seconds_total"), "cells": cells}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -337,9 +341,8 @@ def ablation_table(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]) 
         cells = matrix.ablation(ablation, may_run=False)
         if row is None or not cells:
             continue
-        acc = [c["accuracy_weighted"] for c in cells]
-        mean, std = statistics.mean(acc), statistics.stdev(acc) if len(acc) > 1 else 0.0
-        low = statistics.mean(c["accuracy_min"] for c in cells)
+        mean, std = mean_std([c["accuracy_weighted"] for c in cells])
+        low, _ = mean_std([c["accuracy_min"] for c in cells])
         lines.append(
             f"| {ablation.scenario}/{ablation.label} ({row['config']}) | "
             f"{config_tag(ablation.change)} | {ablation.question} | {len(cells)} | "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from common.config import app_packages
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -13,8 +15,6 @@ def produced_by(*paths: str) -> str:
     """The commit whose code is running, so that a table read later says which code its
     numbers belong to; ``-dirty`` when it runs with uncommitted changes to ``paths`` (default:
     the app and the benchmarks, not the results they rewrite)."""
-    from common.config import app_packages
-
     paths = paths or ("pyproject.toml", *app_packages(), "bench", ":(exclude)bench/results")
     try:
         changed = _git("status", "--porcelain", "--", *paths)

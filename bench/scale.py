@@ -160,9 +160,9 @@ def main() -> None:
                      f"{r['serverapp_mb']:.0f} MB | {r['worker_mb']:.0f} MB | "
                      f"{r['state_bytes_per_client'] / 1024:.1f} KiB ({r['known_clients']}) | "
                      f"{r['accuracy']:.4f} ({r['evaluated']}) |")
+    pairs = range(1, args.repeats + 1) if "ratio" in parts else range(0)
     ratios = [rows[f"fedavg, 100 clients (pair {k})"]["round_seconds"]
-              / rows[f"fedavg, 10 clients (pair {k})"]["round_seconds"]
-              for k in range(1, args.repeats + 1) if "ratio" in parts]
+              / rows[f"fedavg, 10 clients (pair {k})"]["round_seconds"] for k in pairs]
     if ratios:
         lines += ["", f"100 vs 10 clients, same data: **{statistics.median(ratios):.2f}x** "
                   f"seconds per round (median of {len(ratios)} interleaved pairs: "

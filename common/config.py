@@ -42,15 +42,18 @@ def app_defaults(root: Path = APP_ROOT) -> dict[str, Any]:
     """``[tool.flwr.app.config]`` of the app's ``pyproject.toml``: the run config Flower
     builds when nothing is overridden (for tools and tests that run the code outside
     Flower)."""
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
-    return dict(pyproject["tool"]["flwr"]["app"]["config"])
+    return dict(_pyproject(root)["tool"]["flwr"]["app"]["config"])
 
 
 def app_packages(root: Path = APP_ROOT) -> list[str]:
     """The app's Python packages (``[tool.setuptools.packages.find] include``): the code that
     travels in its bundle and that results depend on."""
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
-    return [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    found = _pyproject(root)["tool"]["setuptools"]["packages"]["find"]
+    return [pattern.rstrip("*") for pattern in found["include"]]
+
+
+def _pyproject(root: Path) -> dict[str, Any]:
+    return tomllib.loads((root / "pyproject.toml").read_text())
 
 
 def one_of(key: str, value: str, allowed: Iterable[str]) -> str:
