@@ -153,6 +153,27 @@ def test_split_from_updates_finds_the_shared_elements_weights_find_the_initialis
         assert set(np.flatnonzero(split)) != set(range(6))
 
 
+def test_random_reference_split_has_the_estimates_size_and_is_seeded():
+    """``fedfac.split = random`` (the matrix's reference for FedFac's split claim): as many
+    shared elements as the estimate finds (6 of 16 here), drawn at random, the same for the
+    same seed and round."""
+    def split_of(**overrides) -> np.ndarray:
+        strategy = _mlp_strategy(**overrides)
+        arrays = strategy.global_arrays
+        start = arrays["body.1.weight"].numpy()
+        updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
+        strategy.aggregate_shared(1, _replies_around(arrays, [start + d for d in updates]),
+                                  arrays)
+        return strategy.split["body.1"]
+
+    estimated = split_of()
+    random_splits = [split_of(**{"fedfac.split": "random", "seed": seed}) for seed in (0, 0, 1)]
+    assert all(r.sum() == estimated.sum() == 6 for r in random_splits)
+    np.testing.assert_array_equal(random_splits[0], random_splits[1])
+    assert not np.array_equal(random_splits[0], random_splits[2])
+    assert any(set(np.flatnonzero(r)) != set(range(6)) for r in random_splits)
+
+
 def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates():
     strategy = _mlp_strategy(**{"fedfac.warmup-rounds": 2})
     arrays = strategy.global_arrays
