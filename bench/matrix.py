@@ -23,8 +23,9 @@ always written from all cells present (plots in ``bench/results/matrix/``). The 
   standard deviation over seeds of the final round's accuracy (never the best round), the
   lowest client's accuracy, total uplink MB and seconds. A method not tuned yet runs its
   defaults and is marked so;
-- ablations (``ABLATIONS``, run after the rows): where a claim did not hold, the row's tuned
-  configuration with one change, on the same report seeds, to show why.
+- ablations (``ABLATIONS``, run after the rows): a row's tuned configuration with one
+  change, on the same report seeds: where a claim did not hold, to show why, and FedFac's
+  random split of the same size, the reference its split claim is judged against.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ SAME_SIZE_RANDOM_SPLIT = {"fedfac.split": "random"}
 
 @dataclass(frozen=True)
 class Ablation:
-    """A claim that did not hold, probed: a row's tuned configuration with one change, on the
-    report seeds (``--ablations``)."""
+    """A row's tuned configuration with one change, on the report seeds (``--ablations``): a
+    claim that did not hold, probed, or the reference a claim is judged against."""
 
     scenario: str
     label: str               # the row it varies
@@ -381,10 +382,14 @@ def claims(stats: dict[str, dict[str, dict[str, Any]]],
     same-size random split in ``ablated``); "not measured" where a row or that reference is
     missing. Points are accuracy percentage points."""
 
+    def every_seed(result: dict[str, Any] | None) -> bool:
+        """A verdict needs every report seed of a row or reference."""
+        return bool(result) and result["seeds"] == len(REPORT_SEEDS)
+
     def complete(scenario: str, label: str) -> dict[str, Any] | None:
-        """The row if it is tuned and has every report seed (a verdict needs all of them)."""
+        """The row if it is tuned and has every report seed."""
         row = stats.get(scenario, {}).get(label)
-        return row if row and row["tuned"] and row["seeds"] == len(REPORT_SEEDS) else None
+        return row if every_seed(row) and row["tuned"] else None
 
     def acc(scenario: str, label: str) -> float | None:
         row = complete(scenario, label)
@@ -394,8 +399,7 @@ def claims(stats: dict[str, dict[str, dict[str, Any]]],
         """FedFac's split claim's reference: its row's random split of the same size."""
         found = (ablated or {}).get(("synthetic-fedfac", label,
                                      config_tag(SAME_SIZE_RANDOM_SPLIT)))
-        complete_reference = found and found["seeds"] == len(REPORT_SEEDS)
-        return 100 * found["accuracy"][0] if complete_reference else None
+        return 100 * found["accuracy"][0] if every_seed(found) else None
 
     def verdict(name: str, values: list[float | None], held: Any, detail: str) -> str:
         if any(v is None for v in values):

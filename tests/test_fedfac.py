@@ -133,6 +133,17 @@ def _replies_around(arrays: ArrayRecord, layer_weights: list[np.ndarray]) -> lis
     return replies
 
 
+def _split_after_correlated_updates(strategy: FedFacStrategy, arrays: ArrayRecord,
+                                    server_round: int = 1) -> np.ndarray:
+    """``body.1``'s split after a round whose 8 clients moved from ``arrays`` by small updates
+    whose first 6 elements follow common factors."""
+    start = arrays["body.1.weight"].numpy()
+    updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
+    strategy.aggregate_shared(server_round, _replies_around(arrays, [start + d for d in updates]),
+                              arrays)
+    return strategy.split["body.1"]
+
+
 @pytest.mark.parametrize("analysis", ["updates", "weights"])
 def test_split_from_updates_finds_the_shared_elements_weights_find_the_initialisation(
         analysis):
@@ -141,11 +152,8 @@ def test_split_from_updates_finds_the_shared_elements_weights_find_the_initialis
     it is the split of ``W0`` alone, whatever the updates are."""
     strategy = _mlp_strategy(**({} if analysis == "updates" else {"fedfac.analysis": analysis}))
     arrays = strategy.global_arrays
-    start = arrays["body.1.weight"].numpy()
-    updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
-    strategy.aggregate_shared(1, _replies_around(arrays, [start + d for d in updates]), arrays)
-    split = strategy.split["body.1"]
-    of_start = shared_elements([start] * 8, 0.25, 10 / 16)[0]
+    split = _split_after_correlated_updates(strategy, arrays)
+    of_start = shared_elements([arrays["body.1.weight"].numpy()] * 8, 0.25, 10 / 16)[0]
     if analysis == "updates":
         assert set(np.flatnonzero(split)) == set(range(6))
     else:
@@ -159,12 +167,7 @@ def test_random_reference_split_has_the_estimates_size_and_is_seeded():
     same seed and round."""
     def split_of(**overrides) -> np.ndarray:
         strategy = _mlp_strategy(**overrides)
-        arrays = strategy.global_arrays
-        start = arrays["body.1.weight"].numpy()
-        updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
-        strategy.aggregate_shared(1, _replies_around(arrays, [start + d for d in updates]),
-                                  arrays)
-        return strategy.split["body.1"]
+        return _split_after_correlated_updates(strategy, strategy.global_arrays)
 
     estimated = split_of()
     random_splits = [split_of(**{"fedfac.split": "random", "seed": seed}) for seed in (0, 0, 1)]
@@ -190,11 +193,9 @@ def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates(
             r.arrays["body.1.weight"].numpy() * r.num_examples / total for r in replies),
             rtol=1e-5, atol=1e-6)
         arrays = new
-    start = arrays["body.1.weight"].numpy()
-    updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
     strategy.begin_round(3)
-    strategy.aggregate_shared(3, _replies_around(arrays, [start + d for d in updates]), arrays)
-    assert set(np.flatnonzero(strategy.split["body.1"])) == set(range(6))
+    split = _split_after_correlated_updates(strategy, arrays, server_round=3)
+    assert set(np.flatnonzero(split)) == set(range(6))
 
 
 def test_layer_selection_and_element_keys():

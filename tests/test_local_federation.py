@@ -97,4 +97,3 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert all(20_000 <= p < _ephemeral_low() for p in ports)
-
