@@ -4,7 +4,7 @@
 
 Runs the same config (digits) as ``flwr run`` in simulation (Ray workers stay up between
 messages) and on a loopback deployment (``flower-superlink`` + ``--sites``
-``flower-supernode`` processes, ``common/local_deployment.py``, where every message starts a
+``flower-supernode`` processes, ``launch/deployment.py``, where every message starts a
 fresh ``flwr-clientapp`` process), each with fused evaluation (one exchange a round, the
 default) and with the two-exchange protocol. Per round it reports the wall time and the
 breakdown that ``results.json`` records: the server's wait per exchange, and per client
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, write_report  # noqa: E402
-from common.local_deployment import LocalDeployment  # noqa: E402
-from common.local_federation import LocalFederation  # noqa: E402
+from launch.deployment import LocalDeployment  # noqa: E402
+from launch.federation import LocalFederation  # noqa: E402
 
 PHASES = ("startup", "setup", "data", "train", "evaluate")
 

@@ -49,8 +49,8 @@ from bench.data import ensure_dataset  # noqa: E402
 from bench.report import RESULTS, produced_by  # noqa: E402
 from bench.run_methods import MB  # noqa: E402
 from common.config import app_packages  # noqa: E402
-from common.local_federation import LocalFederation  # noqa: E402
 from fldata.sources import idx_pool  # noqa: E402
+from launch.federation import LocalFederation  # noqa: E402
 
 POOL_SIZE = 5000       # images drawn from the 60,000 (250 a client: the FedDecomp paper's size)
 NUM_CLIENTS = 20

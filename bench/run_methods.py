@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, write_report  # noqa: E402
-from common.local_federation import LocalFederation  # noqa: E402
+from launch.federation import LocalFederation  # noqa: E402
 
 MB = 1024**2
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, write_report  # noqa: E402
 from common.durable import load_tree, save_tree  # noqa: E402
-from common.local_federation import LocalFederation  # noqa: E402
+from launch.federation import LocalFederation  # noqa: E402
 from server_app.rounds import CHECKPOINT  # noqa: E402
 
 MB = 1024**2

@@ -4,4 +4,4 @@
 # afterwards. Extra arguments are run-config overrides, e.g.:  scripts/demo.sh method='"fedper"'
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-exec python -m common.local_federation --supernodes "${SUPERNODES:-10}" "$@"
+exec python -m launch.federation --supernodes "${SUPERNODES:-10}" "$@"

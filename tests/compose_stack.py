@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.local_federation import FlowerRun, LocalFederation, free_port
+from launch.federation import FlowerRun, LocalFederation, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 UP = str(ROOT / "deploy" / "up.sh")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.config import app_defaults, app_packages
-from common.local_federation import LocalFederation
+from launch.federation import LocalFederation
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_PACKAGES = app_packages(ROOT)

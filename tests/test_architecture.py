@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom to top; a module may import its own layer's packages or lower ones only.
 LAYERS = [
-    {"common"},                  # run config, message protocol, round record (+ launchers)
+    {"common"},                  # run config, message protocol, round record
     {"fldata", "models"},        # data and models (method transforms included)
     {"strategies"},              # method code and the registry
     {"client_app", "server_app"},  # the two Flower entry points
+    {"launch"},                  # launchers and the run-config check before Flower starts
 ]
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 # method homes: package or module under strategies/ -> the method names it holds
@@ -122,7 +123,7 @@ def test_registry_is_imported_only_by_the_entry_points(graph):
     importers = {module for module, imports in graph.items()
                  if any(t == "strategies.registry" or (t == "strategies" and "registry" in n)
                         for t, n in imports)}
-    assert {m.split(".")[0] for m in importers} <= {"client_app", "server_app"}
+    assert {m.split(".")[0] for m in importers} <= {"client_app", "server_app", "launch"}
 
 
 def test_each_method_lives_in_its_own_home(graph):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.local_deployment import LocalDeployment, namespaces_available
+from launch.deployment import LocalDeployment, namespaces_available
 from server_app.rounds import load_checkpoint
 from tests.conftest import read_results, run_in_background, wait_for
 

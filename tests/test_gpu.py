@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.local_deployment import LocalDeployment
+from launch.deployment import LocalDeployment
 from strategies.registry import REGISTRY
 from tests.conftest import read_results
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from common.local_federation import _ephemeral_low, descendant_groups, free_port
+from launch.federation import _ephemeral_low, descendant_groups, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import sys
-    from common.local_federation import LocalFederation
+    from launch.federation import LocalFederation
     with LocalFederation() as federation:
         federation.run(sys.argv[1], {"num-server-rounds": 500, "plot": False,
                                      "output-dir": sys.argv[2]}, num_supernodes=3)

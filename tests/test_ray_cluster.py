@@ -195,7 +195,7 @@ def _running_processes() -> list[str]:
 
 
 def _inside(work: Path, out: Path) -> int:
-    from common.local_federation import LocalFederation, free_port
+    from launch.federation import LocalFederation, free_port
 
     started = time.monotonic()
     report: dict[str, Any] = {"phases": {}}

@@ -86,7 +86,8 @@ def test_the_app_bundle_holds_the_app_and_every_path_fits_its_manifest() -> None
     """``flwr run .`` ships this directory as a FAB whose manifest lists ``path,sha256,bits``
     per file, unquoted: one file name with a comma anywhere under the app (a benchmark cell
     named after a two-key config did this) fails every run at the SuperExec. Benchmarks and
-    their results are no part of the app."""
+    their results are no part of the app, nor are the launchers (``launch/``: they start
+    processes on the machine that runs the demo, tests and benchmarks)."""
     import io
     import zipfile
 
@@ -100,3 +101,5 @@ def test_the_app_bundle_holds_the_app_and_every_path_fits_its_manifest() -> None
                if "__pycache__" not in p.parts}
     assert shipped == on_disk
     assert [n for n in names if "," in n] == []
+    assert not [n for n in names if n.startswith("launch/")]
+    assert (ROOT / "launch" / "federation.py").exists()  # the launcher is there, not shipped

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from common.local_federation import FlowerRun, LocalFederation, free_port
+from launch.federation import FlowerRun, LocalFederation, free_port
 
 
 def _ip(*args: str) -> None:

@@ -13,7 +13,7 @@ with every process it started, on exit.
 is already running instead of letting it start a private Ray instance: the SuperLink, and the
 ``flwr-simulation`` process it starts, get ``RAY_ADDRESS`` (docs/scaling.md).
 
-Command line (used by scripts/demo.sh):  python -m common.local_federation [--supernodes N]
+Command line (used by scripts/demo.sh):  python -m launch.federation [--supernodes N]
 [--cpus-per-client C] [--gpus-per-client G] [--ray-address HOST:PORT] [key=value ...]
 """
 
