@@ -1,16 +1,24 @@
 """The ClientApp: ``train`` runs the method's local rule, ``evaluate`` scores the personalized
-model on the client's own test split, ``query`` answers ``identify`` and the method's own
-actions. Every reply carries the client's identity record (``common/protocol.py``)."""
+model on the client's own test split, ``query`` answers ``identify`` (after the preflight:
+this client can serve the run) and the method's own actions. Every reply carries the client's
+identity record (``common/protocol.py``); a handler that fails replies with a one-line error
+(``error_reply``)."""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
+from logging import ERROR
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
 
 from client_app.runtime import Client, process_age
+from common.config import ConfigError
 from common.protocol import (
     ACTION,
     ARRAYS,
@@ -25,11 +33,34 @@ from common.protocol import (
     METRICS,
     NUM_EXAMPLES,
     SERVER_ROUND,
+    error_reason,
 )
 from strategies.training import LocalTraining
 
 app = ClientApp()
 _fresh_process = True  # no message handled in this process yet
+Handler = Callable[[Message, Context], Message]
+
+
+def error_reply(handler: Handler) -> Handler:
+    """``handler`` whose exception becomes an error reply with a one-line reason
+    (``common.protocol.error_reason``), so that the server can tell a failure every client
+    shares (a bad config, data that is not there: the run stops with that line) from a few
+    clients failing (their replies are dropped). A ``ConfigError`` is logged as its one line,
+    anything else with its traceback, here on the client."""
+
+    @functools.wraps(handler)
+    def replying(msg: Message, context: Context) -> Message:
+        try:
+            return handler(msg, context)
+        except Exception as error:  # whatever it is, the server hears of it in one line
+            reason = error_reason(error)
+            log(ERROR, "%s failed: %s", msg.metadata.message_type, reason,
+                exc_info=None if isinstance(error, ConfigError) else error)
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                           reply_to=msg)
+
+    return replying
 
 
 class Phases:
@@ -54,6 +85,7 @@ class Phases:
 
 
 @app.train()
+@error_reply
 def train(msg: Message, context: Context) -> Message:
     started = time.process_time()  # CPU time of this handler: the client's work, as a metric
     phases = Phases()
@@ -92,6 +124,7 @@ def train(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate()
+@error_reply
 def evaluate_personalized(msg: Message, context: Context) -> Message:
     started = time.process_time()
     phases = Phases()
@@ -113,11 +146,14 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
 
 
 @app.query()
+@error_reply
 def query(msg: Message, context: Context) -> Message:
-    """Server questions: ``identify`` (who are you), or one of the method's ``actions``."""
+    """Server questions: ``identify`` (who are you, once this client has shown it can serve
+    the run: ``Client.preflight``), or one of the method's ``actions``."""
     client = Client.from_context(context)
     action = str(msg.content[CONFIG][ACTION])
     if action == IDENTIFY:
+        client.preflight()
         return Message(RecordDict({CLIENT: client.identity()}), reply_to=msg)
     if action not in client.method.actions:
         raise ValueError(f"unknown query action {action!r} for method {client.method.name}")

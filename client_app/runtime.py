@@ -141,6 +141,13 @@ class Client:
         return identity_record(self.client_id, self.partition_id, self.num_partitions,
                                self.wire.client_info(self.data))
 
+    def preflight(self) -> None:
+        """Show, before any training, that this client can serve the run: its split loads
+        (or its cached split reads; the partition is feasible) and the run's model builds and
+        moves to its device. Whatever fails raises, and the identify reply says why."""
+        self.data  # noqa: B018 (loading is the check)
+        self.method.build_model(self.settings).to(self.device)
+
     # -------------------------------------------------------------------- data
     @property
     def data(self) -> ClientData:

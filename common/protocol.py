@@ -12,6 +12,10 @@ Both sides build and read messages with these names only:
 
 ``parse_reply`` is the one reading of a reply's envelope; what the arrays must be is the
 method's wire spec (``strategies/wire.py``).
+
+A handler that fails answers with an error reply whose reason is one line,
+``<exception type>: <message>`` (``error_reason``); ``shared_failure`` tells a failure every
+client shares (the run cannot go on) from some clients failing (their replies are dropped).
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 
 ARRAYS, CONFIG, METRICS, CLIENT = "arrays", "config", "metrics", "client"
 NUM_EXAMPLES = "num-examples"
@@ -96,6 +102,34 @@ def claimed_client_id(reply: Message) -> str | None:
 
 class ReplyError(ValueError):
     """Why a reply was dropped."""
+
+
+# Error codes that say the ClientApp itself failed (it could not be loaded, or a handler
+# raised): the same message would fail the same way again. The others (a node unavailable, a
+# message lost) tell of the transport, and a later round may go through.
+HANDLER_FAILED = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+
+
+def error_reason(error: BaseException, limit: int = 300) -> str:
+    """The one-line reason of a failed handler's error reply: ``<type>: <message>``."""
+    message = " ".join(str(error).split())
+    message = message if len(message) <= limit else message[:limit] + "..."
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def shared_failure(replies: Iterable[Message]) -> str | None:
+    """The reason every one of ``replies`` failed, when all of them are error replies of a
+    failed ClientApp (``HANDLER_FAILED``) of one kind (the exception type their reasons
+    begin with); None when there is no reply, one succeeded, one failed in transport, or
+    they failed in different ways. The reason returned is the most frequent one."""
+    reasons: Counter[str] = Counter()
+    for reply in replies:
+        if not reply.has_error() or reply.error.code not in HANDLER_FAILED:
+            return None
+        reasons[str(reply.error.reason)] += 1
+    if len({reason.split(":", 1)[0] for reason in reasons}) != 1:
+        return None
+    return reasons.most_common(1)[0][0]
 
 
 @dataclass

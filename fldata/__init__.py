@@ -14,11 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import ConfigError, KeyGroup, RunSettings, key, one_of
+from common.config import ConfigError, KeyGroup, RunSettings, in_range, key, one_of
 from fldata.cache import cache_key, cached_split, fingerprint
 from fldata.idx import find_idx_dir, search_dirs
 from fldata.partition import label_permutation, partition_indices, train_test_split
-from fldata.sources import SyntheticFedFac, arrays_from_hf, digits_pool, load_local
+from fldata.sources import (
+    SyntheticFedFac,
+    arrays_from_hf,
+    digits_pool,
+    hub_unreachable,
+    load_local,
+)
 
 
 @dataclass(frozen=True)
@@ -73,11 +79,26 @@ class SyntheticSettings(KeyGroup):
 
 
 def check_dataset(settings: RunSettings) -> None:
-    """A known dataset or a local path; the synthetic keys when they are used."""
+    """A known dataset or a local path; the synthetic keys when they are used; a
+    pathological partition that a named dataset's classes can serve."""
     if not is_local_path(settings.dataset):
         one_of("dataset", settings.dataset, [*DATASETS, "<a local path>"])
     if settings.dataset == "synthetic-fedfac":
         SyntheticSettings.parse(settings.raw)
+    if settings.dataset in DATASETS and settings.partitioner == "pathological":
+        _, num_classes = dataset_shape(settings)
+        in_range("classes-per-client", settings.classes_per_client, 1, num_classes)
+
+
+def check_local_files(settings: RunSettings) -> None:
+    """The files the run config names exist on this machine (``data-root``, a local
+    ``dataset`` path): for a launcher whose sites are this machine (a simulation), before
+    anything starts. A deployment's sites check their own, at the preflight."""
+    if settings.data_root and not Path(settings.data_root).is_dir():
+        raise ConfigError(f"data-root: no such directory: {settings.data_root}")
+    local_copy(settings)
+    if is_local_path(settings.dataset) and not Path(settings.dataset).exists():
+        raise ConfigError(f"dataset: no such file or directory: {settings.dataset}")
 
 
 def synthetic_generator(settings: RunSettings) -> SyntheticFedFac:
@@ -182,6 +203,12 @@ def _hub_partition(settings: RunSettings, partition_id: int,
     from fldata.partition import make_partitioner
 
     info = DATASETS[settings.dataset]
+    if (reason := hub_unreachable(info.hub_id)) is not None:
+        # else each client would retry the hub for about 25 s before failing
+        where = (f"no IDX files in {' or '.join(map(str, search_dirs(settings.dataset, '')))}"
+                 " (data-root names a folder of them), and " if info.idx else "")
+        raise ConfigError(f"dataset: {settings.dataset} is not on this machine: {where}"
+                          f"{info.hub_id} cannot be downloaded: {reason}")
     # The pool size only bounds Dirichlet's minimum partition size; hub sets are large.
     partitioner = make_partitioner(settings, num_partitions, pool_size=10**9,
                                    partition_by=info.label_column)

@@ -90,7 +90,9 @@ def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: i
         indices = partitioner.load_partition(partition_id)["idx"]
     except ValueError as error:
         if settings.partitioner != "dirichlet":
-            raise
+            raise ConfigError(f"partitioner: {settings.partitioner} cannot split this pool of "
+                              f"{len(labels)} examples in {len(np.unique(labels))} classes "
+                              f"over {num_partitions} clients: {error}") from error
         # flwr-datasets redraws up to 10 times while a client has too few examples; many
         # clients on a small pool (1,000 clients of 20 examples on average) never get there
         raise ConfigError(

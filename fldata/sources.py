@@ -100,6 +100,31 @@ def digits_pool() -> tuple[np.ndarray, np.ndarray]:
     return x[:, None], bunch.target.astype(np.int64)
 
 
+def hub_unreachable(hub_id: str, timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot give this machine ``hub_id`` now (offline mode set, or
+    its host does not answer within ``timeout`` seconds), or None: reachable, or a copy is in
+    the local cache. Checked before loading: ``datasets`` retries an unreachable hub for
+    about 25 s before it fails."""
+    import socket
+    from urllib.parse import urlparse
+
+    from datasets import config
+    from huggingface_hub import constants
+
+    if ((Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").exists()
+            or (Path(config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")).exists()):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set and no copy is in the local cache"
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+    except OSError as error:
+        return f"{endpoint.hostname}:{port} is unreachable ({error.strerror or error})"
+    return None
+
+
 def _image_column(ds: datasets.Dataset) -> str:
     import datasets
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.federation import FlowerRun, LocalFederation, free_port
+from launch.run_config import check_run_config
 
 
 def _ip(*args: str) -> None:
@@ -244,5 +245,7 @@ class LocalDeployment(LocalFederation):
 
     def run(self, app_dir: str | Path, run_config: dict[str, Any] | None = None, *,
             timeout: float = 900, echo: bool = False, **_: Any) -> FlowerRun:
-        """``flwr run APP --stream`` through the deployment's SuperLink."""
+        """``flwr run APP --stream`` through the deployment's SuperLink, the run config
+        checked first (its sites are on this machine: ``launch.run_config``)."""
+        check_run_config(run_config or {}, app_dir)
         return self.flwr_run(app_dir, run_config, [], timeout=timeout, echo=echo)

@@ -39,7 +39,17 @@ from typing import Any
 
 import tomli_w
 
+from common.config import ConfigError, app_defaults
+from launch.run_config import check_run_config, parse_overrides
+
 _HANDED_OUT: set[int] = set()
+# Flower's words before the ServerApp's exception in a failed run's status details
+FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
+# Lines Flower 1.41 prints for every simulation that do not hold for ours (its size is set
+# per run): left out of the echoed stream, kept in ``FlowerRun.output``.
+FLOWER_NOISE = ("default simulated SuperNodes changed from 10 to 2",
+                "To change federation size, use the following command",
+                "flwr federation simulation-config @none/default <superlink>")
 
 
 def _ephemeral_low() -> int:
@@ -115,6 +125,7 @@ class FlowerRun:
     output: str
     run_id: str | None
     status: str  # e.g. "finished:completed", "finished:failed"; "" if the run never started
+    reason: str = ""  # why it failed: the ServerApp's one line (Flower's status details)
 
     @property
     def ok(self) -> bool:
@@ -203,19 +214,29 @@ class LocalFederation:
     def run(self, app_dir: str | Path, run_config: dict[str, Any] | None = None, *,
             num_supernodes: int = 4, cpus_per_client: int = 1, gpus_per_client: float = 0.0,
             timeout: float = 900, echo: bool = False) -> FlowerRun:
-        """``flwr run APP --stream`` with ``run_config`` overrides; returns when it ends."""
-        federation = ["--federation-config",
-                      f"num-supernodes={num_supernodes} client-resources-num-cpus="
-                      f"{cpus_per_client} client-resources-num-gpus={gpus_per_client}"]
-        return self.flwr_run(app_dir, run_config, federation, timeout=timeout, echo=echo)
+        """``flwr run APP --stream`` with ``run_config`` overrides, checked first
+        (``launch.run_config.check_run_config``: a bad config raises its one-line
+        ``ConfigError`` before Ray starts); returns when the run ends."""
+        check_run_config(run_config or {}, app_dir)
+        return self.flwr_run(app_dir, run_config, self.federation_config(
+            num_supernodes, cpus_per_client, gpus_per_client), timeout=timeout, echo=echo)
+
+    @staticmethod
+    def federation_config(num_supernodes: int, cpus_per_client: int,
+                          gpus_per_client: float) -> list[str]:
+        """``flwr run`` arguments for the simulation's size and each client's resources."""
+        return ["--federation-config",
+                f"num-supernodes={num_supernodes} client-resources-num-cpus="
+                f"{cpus_per_client} client-resources-num-gpus={gpus_per_client}"]
 
     def flwr_run(self, app_dir: str | Path, run_config: dict[str, Any] | None,
                  extra_args: list[str], *, timeout: float = 900, echo: bool = False
                  ) -> FlowerRun:
-        """``flwr run APP --stream [extra_args]`` on the default connection.
+        """``flwr run APP --stream [extra_args]`` on the default connection, the run config
+        unchecked (the ServerApp's own check is all there is, as with a plain ``flwr run``).
 
         ``flwr run --stream`` exits 0 even when the ServerApp fails, so the run's final
-        status is read back from the SuperLink (``flwr ls --run-id``)."""
+        status, and why it failed, are read back from the SuperLink (``flwr ls --run-id``)."""
         command = ["flwr", "run", str(app_dir), "--stream", *extra_args]
         if run_config:
             overrides = self.home / f"run-config-{time.monotonic_ns()}.toml"
@@ -229,7 +250,7 @@ class LocalFederation:
             try:
                 for line in process.stdout:  # stream the progress lines as they come
                     lines.append(line)
-                    if echo:
+                    if echo and not any(noise in line for noise in FLOWER_NOISE):
                         print(line, end="", flush=True)
             except BaseException:
                 process.kill()  # interrupted (SIGTERM, Ctrl-C): do not wait for the run's end
@@ -241,7 +262,11 @@ class LocalFederation:
         found = re.search(r"Successfully started run (\d+)", output)
         run_id = found.group(1) if found else None
         runs = self.runs(run_id) if run_id is not None else []
-        return FlowerRun(returncode, output, run_id, runs[0]["status"] if runs else "")
+        if not runs:
+            return FlowerRun(returncode, output, run_id, "")
+        status = runs[0]["status"]
+        details = runs[0].get("status-details", "") if status != "finished:completed" else ""
+        return FlowerRun(returncode, output, run_id, status, FAILED_WITH.sub("", details))
 
     def runs(self, run_id: str | None = None) -> list[dict[str, str]]:
         """``flwr ls --format json``: every run the SuperLink knows, or just ``run_id``
@@ -260,6 +285,9 @@ class LocalFederation:
 
 
 def main() -> None:
+    """The demo's launcher: the overrides read and checked (one line and exit 2 on a
+    mistake, before anything starts), the run, then its outcome in one line: exit 0 only
+    for ``finished:completed``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--app", default=".")
     parser.add_argument("--supernodes", type=int, default=10)
@@ -268,17 +296,21 @@ def main() -> None:
     parser.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                         help="run the clients on this running Ray cluster (its GCS address, "
                              "as `ray start --head` prints it); see docs/scaling.md")
-    parser.add_argument("overrides", nargs="*", help="run-config overrides as key=value (TOML)")
+    parser.add_argument("overrides", nargs="*",
+                        help="run-config overrides as key=value (method=fedper, lr=0.1)")
     args = parser.parse_args()
-    import tomllib
-
-    run_config = tomllib.loads("\n".join(
-        f'"{k}" = {v}' for k, v in (item.split("=", 1) for item in args.overrides)))
+    try:
+        run_config = parse_overrides(args.overrides, app_defaults(Path(args.app).resolve()))
+        check_run_config(run_config, args.app)
+    except ConfigError as error:
+        print(f"pflower: {error}", file=sys.stderr)
+        sys.exit(2)
     with LocalFederation(ray_address=args.ray_address) as federation:
-        run = federation.run(args.app, run_config, num_supernodes=args.supernodes,
-                             cpus_per_client=args.cpus_per_client,
-                             gpus_per_client=args.gpus_per_client, echo=True)
-    print(f"run {run.run_id}: {run.status or 'not started'}")
+        run = federation.flwr_run(args.app, run_config, federation.federation_config(
+            args.supernodes, args.cpus_per_client, args.gpus_per_client), echo=True)
+    outcome = run.status or "not started"
+    print(f"run {run.run_id}: {outcome}" + (f": {run.reason}" if run.reason else ""),
+          file=sys.stdout if run.ok else sys.stderr)
     sys.exit(0 if run.ok else 1)
 
 

@@ -35,7 +35,10 @@ else
     return 1 2>/dev/null || exit 1; }
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import flwr, torch, server_app" 2>/dev/null \
+# Installed already? Found without importing (importing torch and flwr costs seconds that
+# every launch, and every mistake in a run config, would pay).
+if ! .venv/bin/python -c "import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ('flwr', 'torch', 'ray', 'server_app')))" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -e ".[test]"

@@ -11,8 +11,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from common.config import ConfigError, RunSettings
+from common.protocol import error_reason
 from server_app.results import ResultsRecorder, output_dir
 from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
+from strategies.personalized import RunFailedError
 from strategies.registry import REGISTRY, load_settings
 from strategies.wire import WireSpec
 
@@ -63,7 +65,18 @@ def main(grid: Grid, context: Context) -> None:
         strategy.message_config = {"resume-round": checkpoint["round"]}
         if earlier:
             strategy.message_config["resume-runs"] = earlier
-    strategy.identify(grid, first_round)
-    arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
-                        settings.num_server_rounds, run_ids)
-    recorder.finish(strategy.after_training(grid, arrays))
+    try:
+        strategy.identify(grid, first_round)
+        arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
+                            settings.num_server_rounds, run_ids)
+        if (missing := recorder.missing_evaluation()) is not None:
+            raise RunFailedError(missing, settings.num_server_rounds)
+        recorder.finish(strategy.after_training(grid, arrays))
+    except RunFailedError as failure:
+        # results.json says so, and the exception marks the run failed in Flower (its
+        # status details carry the reason: the launchers print them)
+        recorder.fail(str(failure), failure.through_round)
+        raise
+    except Exception as error:
+        recorder.fail(error_reason(error), recorder.last_round)
+        raise

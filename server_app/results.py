@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from logging import INFO
+from logging import ERROR, INFO
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,9 @@ def output_dir(settings: RunSettings) -> Path:
 
 class ResultsRecorder:
     """Writes results.json after every round: each round's ``RoundRecord`` entry
-    (``common/record.py``), the run's totals and the strategy's per-client tables."""
+    (``common/record.py``), the run's totals and the strategy's per-client tables, and the
+    run's ``status``: ``running``, then ``completed`` (``finish``: every round ran and the
+    last evaluation produced accuracies) or ``failed`` with its one-line ``reason``."""
 
     def __init__(self, settings: RunSettings, strategy: PersonalizedStrategy,
                  out_dir: Path) -> None:
@@ -36,6 +38,7 @@ class ResultsRecorder:
         self.out_dir = out_dir
         self.rounds: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}  # after-training results (e.g. FedFac's new clients)
+        self.status, self.reason = "running", ""
         self._t_start = self._t_round = time.monotonic()
         out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -84,7 +87,8 @@ class ResultsRecorder:
         }
 
     def payload(self) -> dict[str, Any]:
-        return {"method": self.settings.method, "config": dict(self.settings.raw),
+        outcome = {"status": self.status, **({"reason": self.reason} if self.reason else {})}
+        return {"method": self.settings.method, **outcome, "config": dict(self.settings.raw),
                 "rounds": self.rounds, "final": self.final(), **self.extra,
                 "server_state": {"node_to_client": {str(k): v for k, v in
                                                     self.strategy.nodes.node_to_client.items()},
@@ -93,10 +97,35 @@ class ResultsRecorder:
     def write(self) -> None:
         write_json(self.path, self.payload())
 
+    def missing_evaluation(self) -> str | None:
+        """Why the run cannot count as completed although every round ran: its last round
+        has no accuracy (every evaluation reply was dropped); None when it has one, or when
+        the run asked for no evaluation (``fraction-evaluate = 0``)."""
+        last = self.rounds[-1] if self.rounds else {}
+        if self.settings.fraction_evaluate == 0 or "accuracy_weighted" in last.get("eval", {}):
+            return None
+        drops = sorted({d["reason"] for d in last.get("dropped", [])})
+        return (f"round {last.get('round', 0)}: no client's evaluation arrived"
+                + (f" ({len(last.get('dropped', []))} dropped: {'; '.join(drops)[:300]})"
+                   if drops else ""))
+
+    def fail(self, reason: str, through_round: int) -> None:
+        """The run stopped: results.json keeps the rounds done, the ones not written yet
+        through ``through_round`` included (a round whose evaluation was still to come, the
+        round that failed, with its dropped replies), with ``status`` failed and the
+        one-line ``reason``."""
+        for server_round in range(self.last_round + 1, through_round + 1):
+            record = self.strategy.history.get(server_round, RoundRecord())
+            self.rounds.append(record.entry(server_round, time.monotonic() - self._t_round))
+        self.status, self.reason = "failed", reason
+        self.write()
+        log(ERROR, "[failed] %s", reason)
+
     def finish(self, extra: dict[str, Any] | None = None) -> None:
-        """Final write (with ``extra``: the strategy's after-training results), plot, and the
-        per-client table in the terminal."""
+        """Final write (with ``extra``: the strategy's after-training results, and the
+        status: completed), plot, and the per-client table in the terminal."""
         self.extra.update(extra or {})
+        self.status = "completed"
         self.write()
         if self.settings.plot and self.rounds:
             plot_results(self.payload(), self.out_dir / "results.png")

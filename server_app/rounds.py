@@ -96,7 +96,11 @@ def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsReco
     fused = strategy.settings.fused_evaluation
     recorder.start()  # starts the round clock, writes results.json
     for server_round in range(first_round, last_round + 1):
-        log(INFO, "[round %d/%d]", server_round, last_round)
+        # with fused evaluation, round r's exchange also evaluates round r - 1: say so, so
+        # that the accuracy lines that follow read in order
+        evaluating = (f", evaluating round {server_round - 1}"
+                      if fused and server_round - 1 > recorder.last_round else "")
+        log(INFO, "[round %d/%d] training%s", server_round, last_round, evaluating)
         updated = strategy.train_round(grid, server_round, arrays)
         if updated is not None:
             arrays = updated
@@ -108,6 +112,7 @@ def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsReco
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
                         recorder, run_ids)
     if fused:  # the last round's evaluation: its own exchange
+        log(INFO, "[round %d/%d] evaluating", last_round, last_round)
         strategy.evaluate_round(grid, last_round, arrays)
         recorder.on_round(last_round)
         save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, strategy,

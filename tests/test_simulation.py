@@ -58,7 +58,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 from flwr.clientapp import ClientApp
 
-from client_app.app import evaluate_personalized, train
+from client_app.app import evaluate_personalized, query, train
 
 
 def corrupt(msg, context, call_next):
@@ -80,6 +80,7 @@ def corrupt(msg, context, call_next):
 app = ClientApp(mods=[corrupt])
 app.train()(train)
 app.evaluate()(evaluate_personalized)
+app.query()(query)
 '''
 
 
@@ -109,8 +110,11 @@ def test_bad_replies_are_dropped_and_logged_and_the_run_completes(federation, tm
     ("dataset", "imagenet", "allowed: digits, synthetic-fedfac, mnist"),
 ])
 def test_unknown_method_or_dataset_fails_at_start(federation, tmp_path, key, value, allowed):
-    run = federation.run(ROOT, quick(tmp_path, **{key: value}), num_supernodes=2)
+    """The ServerApp's own check (a plain ``flwr run``: no launcher checked the config)."""
+    run = federation.flwr_run(ROOT, quick(tmp_path, **{key: value}),
+                              federation.federation_config(2, 1, 0.0))
     assert run.status == "finished:failed"
+    assert run.reason.startswith(f"{key}: unknown value '{value}'")
     lines = [line for line in run.output.splitlines() if "Invalid run config" in line]
     assert lines and f"{key}: unknown value '{value}'" in lines[0] and allowed in lines[0]
     assert not (tmp_path / "results.json").exists()

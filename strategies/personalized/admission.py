@@ -13,19 +13,24 @@ from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
 from flwr.common.logger import log
 
 from common.protocol import ACTION, CONFIG, EVALUATE_METRICS, IDENTIFY
+from strategies.personalized.replies import Exchange, stop_if_every_reply_failed
 
 
 class Admission:
     def identify(self, grid: Any, server_round: int = 1) -> None:
         """Ask every connected node who it is, before the first round (``server_round``: the
         round its dropped replies are recorded under), so that everything per client is
-        keyed by client id from the start."""
+        keyed by client id from the start. This is the run's preflight: a client answers
+        only once its data loaded and its model built on its device; when every client
+        fails the same way the run stops here (``stop_if_every_reply_failed``)."""
         nodes = self.connected_nodes(grid)
-        self._identify_nodes(grid, nodes, server_round)
+        batch = self._identify_nodes(grid, nodes, server_round)
         log(INFO, "identify: %d of %d nodes answered", len(self.nodes.client_info), len(nodes))
+        stop_if_every_reply_failed(f"preflight before round {server_round}", server_round - 1,
+                                   batch, self.settings.min_nodes)
         self.resolve_pending()
 
-    def _identify_nodes(self, grid: Any, nodes: list[int], server_round: int) -> None:
+    def _identify_nodes(self, grid: Any, nodes: list[int], server_round: int) -> Exchange:
         """Ask ``nodes`` who they are. A node that does not reply at all is ``silent`` (not
         sampled until it replies); one whose reply is dropped (a ClientApp without the
         ``identify`` query, a malformed reply) is alive and is learned from its train replies
@@ -37,6 +42,7 @@ class Admission:
             info = dict(reply.info)
             self.nodes.identified(reply.node_id, reply.client_id, info)
             self.on_identified(reply.client_id, info)
+        return batch
 
     def admit_new_nodes(self, server_round: int, stage: str, grid: Any, nodes: list[int],
                         arrays: ArrayRecord) -> None:

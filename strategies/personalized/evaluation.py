@@ -32,6 +32,7 @@ from common.protocol import (
     ReplyError,
 )
 from common.record import RoundRecord, personalized_stats
+from strategies.personalized.replies import stop_if_every_reply_failed
 
 
 def fused_evaluation(reply: ClientReply) -> ClientReply:
@@ -83,6 +84,8 @@ class Evaluation:
         batch = self.send(grid, messages)
         with self.ledger.server_cpu(server_round):
             valid = self.validate(server_round, "evaluate", batch, EVALUATE_METRICS)
+            stop_if_every_reply_failed(f"evaluation of round {server_round}", server_round,
+                                       batch, self.settings.min_nodes)
             self.ledger.client_cpu(server_round, "evaluate", valid)
             self.record_evaluation(server_round, self.scores_of(valid))
 

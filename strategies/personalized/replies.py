@@ -5,7 +5,8 @@ the SuperLink come from node 1, so replies are matched through the ids of the me
 ``valid_replies`` checks each reply's envelope (``common.protocol.parse_reply``) and, where
 arrays are expected, their keys, shapes, dtypes and values against the method's wire spec; a
 reply that fails is dropped with its reason (log and ``dropped`` in results.json), a node that
-did not reply in time likewise, and the round goes on with the rest.
+did not reply in time likewise, and the round goes on with the rest, unless every reply failed
+in the same way (``stop_if_every_reply_failed``): then the run stops with that reason.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ from common.protocol import (
     claimed_client_id,
     client_order,
     parse_reply,
+    shared_failure,
     shown,
 )
 from strategies.personalized.accounting import RoundLedger
 from strategies.personalized.identity import NodeDirectory
 
 POLL_SECONDS = 0.2
+
+
+class RunFailedError(RuntimeError):
+    """The run cannot do its job (one line: why); the ServerApp records it and fails.
+    ``through_round``: the last round whose work results.json shows (0: none)."""
+
+    def __init__(self, reason: str, through_round: int) -> None:
+        super().__init__(reason)
+        self.through_round = through_round
 
 
 @dataclass
@@ -87,6 +98,23 @@ def exchange(grid: Grid, messages: list[Message], timeout: float,
     destination = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
     return Exchange(messages, [(destination.get(r.metadata.reply_to_message_id,
                                                 r.metadata.src_node_id), r) for r in replies])
+
+
+def stop_if_every_reply_failed(exchange_name: str, through_round: int, batch: Exchange,
+                               min_nodes: int) -> None:
+    """Raise ``RunFailedError`` when every reply of ``batch`` is the same failure of the ClientApp
+    (``common.protocol.shared_failure``: a bad config, data missing everywhere, a bug): going
+    on would only repeat it. At least ``min_nodes`` (the fewest a round needs) must have
+    replied so, so that one broken or hostile site never stops a run; fewer failures, and
+    nodes that do not reply at all, are dropped replies like any other. ``exchange_name``
+    says which exchange in the reason; ``through_round`` is the error's."""
+    replies = [reply for _, reply in batch.replies]
+    if len(replies) < min_nodes:
+        return
+    reason = shared_failure(replies)
+    if reason is not None:
+        raise RunFailedError(f"{exchange_name}: all {len(replies)} clients that replied "
+                             f"failed: {reason}", through_round)
 
 
 def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
@@ -157,4 +185,5 @@ def read_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None
     return checked
 
 
-__all__ = ["Exchange", "ReplyError", "exchange", "valid_replies"]
+__all__ = ["Exchange", "ReplyError", "RunFailedError", "exchange", "stop_if_every_reply_failed",
+           "valid_replies"]

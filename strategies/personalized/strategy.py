@@ -58,7 +58,13 @@ from strategies.personalized.accounting import RoundLedger
 from strategies.personalized.admission import Admission
 from strategies.personalized.evaluation import Evaluation, fused_evaluation
 from strategies.personalized.identity import NodeDirectory, wait_for_nodes
-from strategies.personalized.replies import Exchange, ReplyError, exchange, valid_replies
+from strategies.personalized.replies import (
+    Exchange,
+    ReplyError,
+    exchange,
+    stop_if_every_reply_failed,
+    valid_replies,
+)
 from strategies.personalized.robust import ExampleCounts, aggregate
 from strategies.wire import Masks, WireSpec
 
@@ -259,7 +265,8 @@ class PersonalizedStrategy(Admission, Evaluation):
             messages += self._addressed(previous, evaluate_only, arrays, MessageType.EVALUATE,
                                         previous)
             self.global_arrays = arrays
-        parts = self.send(grid, messages).by_type()
+        batch = self.send(grid, messages)
+        parts = batch.by_type()
         with self.ledger.server_cpu(server_round):
             valid = self.validate(server_round, "train", parts[MessageType.TRAIN],
                                   TRAIN_METRICS, self.uplink_expected())
@@ -267,6 +274,8 @@ class PersonalizedStrategy(Admission, Evaluation):
             if evaluators:
                 self._fused_evaluation(previous, parts[MessageType.TRAIN],
                                        parts[MessageType.EVALUATE], set(evaluators))
+            stop_if_every_reply_failed(f"training of round {server_round}", server_round,
+                                       batch, self.settings.min_nodes)
             updated = self._aggregate(server_round, valid)
         if fused:
             with self.ledger.server_cpu(server_round):

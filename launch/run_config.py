@@ -1,0 +1,68 @@
+"""A launcher's run config, read as users type it and checked before anything starts.
+
+Flower reads ``--run-config`` itself, but only once a SuperLink is up and the app bundled: a
+misspelled key then reads ``Invalid run configuration`` without naming it, and a bad value
+costs the SuperLink's and Ray's start before the ServerApp names it. The launchers
+(``launch/federation.py``, the benchmarks) check the whole run config here first, in about two
+seconds, and stop with one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, RunSettings, app_defaults
+from fldata import check_local_files
+from server_app.rounds import CHECKPOINT
+from strategies.registry import load_settings
+
+# what a bare word may hold to be taken as a string: no spaces, quotes or brackets
+_BARE_WORD = re.compile(r"""[^\s"'\[\]{}]+""")
+
+
+def parse_overrides(items: Iterable[str], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``key=value`` words as people type them: a TOML value (``lr=0.1``, ``plot=false``,
+    ``method='"fedper"'``), else a bare word, taken as a string (``method=fedper``,
+    ``data-root=/data/fm``); a key whose default is a string takes the word as written
+    (``fedfac.layers=0``). A word that is neither raises a ``ConfigError`` naming its key."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(f"{item!r}: an override is key=value, e.g. method=fedper")
+        try:
+            value = tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            if not _BARE_WORD.fullmatch(text):
+                raise ConfigError(f"{name}: cannot read the value {text!r}; write a string "
+                                  f"as {name}=word or {name}='\"words with spaces\"'") from None
+            value = text
+        if isinstance(defaults.get(name), str) and not isinstance(value, str):
+            value = text
+        overrides[name] = value
+    return overrides
+
+
+def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".") -> RunSettings:
+    """The app's run config with ``overrides``, checked as the ServerApp will check it, plus
+    what only this machine can tell (it runs the sites of a simulation): every key known
+    (the closest known key suggested), types and ranges, the names of method, dataset and
+    model, and the files the config names. Raises a one-line ``ConfigError``."""
+    defaults = app_defaults(Path(app_dir).resolve())
+    for name in overrides:
+        if name not in defaults:
+            close = difflib.get_close_matches(name, list(defaults), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{name}: unknown key{hint} (the keys are "
+                              "[tool.flwr.app.config] in pyproject.toml)")
+    settings = load_settings({**defaults, **overrides})
+    check_local_files(settings)
+    if settings.resume_from and not (Path(settings.resume_from) / CHECKPOINT).exists():
+        raise ConfigError(f"resume-from: no {CHECKPOINT} in {settings.resume_from}")
+    return settings

@@ -1,0 +1,158 @@
+"""A broken run says so at once: through ``scripts/demo.sh`` as a user runs it, a config
+mistake stops in seconds with one line and no traceback, data that cannot be had stops the
+run at the preflight (before round 1), every client failing the same way in a round stops the
+run in that round, and one broken client of several is only dropped. ``results.json`` and the
+exit code say how the run ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import copy_app
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "scripts" / "demo.sh"
+
+
+def demo(*overrides: str, supernodes: int = 10, env: dict[str, str] | None = None,
+         timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """``bash scripts/demo.sh OVERRIDES`` as a user types it; (the process, its seconds)."""
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(DEMO), *overrides], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "SUPERNODES": str(supernodes), **(env or {})})
+    return done, time.monotonic() - started
+
+
+# (overrides as typed, what the one line must say)
+CONFIG_MISTAKES = [
+    (["method=fedfoo"], "method: unknown value 'fedfoo'; allowed: fedavg"),
+    (["lr=-0.1"], "lr: -0.1 is out of range"),
+    (["num-server-rounds=0"], "num-server-rounds: 0 is out of range"),
+    (["local-epochs=1.5"], "local-epochs: expected int, got 1.5"),
+    (["num-server-round=3"], "num-server-round: unknown key; did you mean 'num-server-rounds'?"),
+    (["dataset=fashion-mnist", "data-root=/some/missing/dir"],
+     "data-root: no such directory: /some/missing/dir"),
+    (["partitioner=pathological", "classes-per-client=20"],
+     "classes-per-client: 20 is out of range; allowed: [1, 10]"),
+    (["method=fed per"], "method: cannot read the value 'fed per'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "line"), CONFIG_MISTAKES,
+                         ids=[" ".join(o) for o, _ in CONFIG_MISTAKES])
+def test_a_config_mistake_stops_before_flower_starts_with_one_line(tmp_path, overrides, line):
+    done, seconds = demo(*overrides, f"output-dir={tmp_path / 'out'}")
+    assert done.returncode == 2, done.stderr
+    assert seconds < 5, seconds
+    assert done.stdout == ""
+    assert done.stderr == f"pflower: {done.stderr.removeprefix('pflower: ')}"
+    assert done.stderr.count("\n") == 1 and line in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def _results(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.integration
+def test_a_dataset_no_site_can_load_fails_the_run_at_the_preflight(tmp_path):
+    """Offline, with no local copy anywhere: every client says so when it is asked who it
+    is, and the run stops there, before round 1 (a closed local port stands for the hub)."""
+    out = tmp_path / "out"
+    done, seconds = demo("dataset=mnist", f"output-dir={out}", env={
+        "HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9", "PFLOWER_DATA_ROOT": ""})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert seconds < 60, seconds
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith("finished:failed: preflight before round 1: all 10 clients that replied "
+                         "failed: ConfigError: dataset: mnist is not on this machine: no IDX "
+                         f"files in {tmp_path}/.cache/pflower/mnist (data-root names a folder "
+                         "of them), and ylecun/mnist cannot be downloaded: 127.0.0.1:9 is "
+                         "unreachable (Connection refused)"), last
+    results = _results(out)
+    assert results["status"] == "failed"
+    assert results["reason"] == last.split("finished:failed: ", 1)[1]
+    assert results["rounds"] == []
+    assert "[round 1/" not in done.stdout  # no round started
+
+
+FAILING_CLIENT = '''
+"""A test ClientApp (not shipped): with ``fail = "all"`` every client's training fails in
+round 3; with ``fail = "one"`` partition 0's training fails in every round."""
+from client_app.app import error_reply, evaluate_personalized, query, train
+from flwr.clientapp import ClientApp
+
+FAIL = "{fail}"
+
+
+@error_reply
+def failing_train(msg, context):
+    server_round = int(msg.content["config"]["server-round"])
+    if (FAIL == "all" and server_round == 3) or (
+            FAIL == "one" and int(context.node_config["partition-id"]) == 0):
+        raise OSError("the disk of this site is full")
+    return train(msg, context)
+
+
+app = ClientApp()
+app.train()(failing_train)
+app.evaluate()(evaluate_personalized)
+app.query()(query)
+'''
+
+
+def _app_failing(tmp: Path, fail: str) -> Path:
+    app_dir = copy_app(tmp / f"app-{fail}")
+    (app_dir / "failing_client.py").write_text(FAILING_CLIENT.format(fail=fail))
+    pyproject = app_dir / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text()
+                         .replace('"client_app.app:app"', '"failing_client:app"')
+                         .replace("fab-include = [", 'fab-include = ["failing_client.py", '))
+    return app_dir
+
+
+@pytest.mark.integration
+def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
+    out = tmp_path / "out"
+    done, _ = demo("--app", str(_app_failing(tmp_path, "all")), "num-server-rounds=6",
+                   "local-epochs=1", "plot=false", f"output-dir={out}", supernodes=3)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    reason = ("training of round 3: all 3 clients that replied failed: OSError: the disk of "
+              "this site is full")
+    assert done.stderr.strip().splitlines()[-1].endswith(f"finished:failed: {reason}")
+    assert "[round 4/6]" not in done.stdout
+    results = _results(out)
+    assert (results["status"], results["reason"]) == ("failed", reason)
+    # what was done is kept: rounds 1 and 2 trained (2's evaluation was to come with
+    # round 3), round 3's replies are all dropped with their reason
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+    assert results["rounds"][0]["eval"]["num_clients"] == 3
+    assert results["rounds"][1]["train"]["num_clients"] == 3
+    dropped = results["rounds"][2]["dropped"]
+    assert sorted(d["client"] for d in dropped if d["stage"] == "train") == ["0", "1", "2"]
+
+
+@pytest.mark.integration
+def test_one_client_failing_every_round_is_dropped_and_the_run_completes(tmp_path):
+    out = tmp_path / "out"
+    done, _ = demo("--app", str(_app_failing(tmp_path, "one")), "num-server-rounds=2",
+                   "local-epochs=1", "plot=false", "method=fedper", f"output-dir={out}",
+                   "fused-evaluation=false", supernodes=3)  # its evaluations: on their own
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1].endswith("finished:completed")
+    results = _results(out)
+    assert results["status"] == "completed" and "reason" not in results
+    assert results["method"] == "fedper"  # a bare word is a string
+    for entry in results["rounds"]:
+        assert entry["train"]["num_clients"] == 2
+        assert [(d["client"], d["stage"]) for d in entry["dropped"]] == [("0", "train")]
+        assert "OSError: the disk of this site is full" in entry["dropped"][0]["reason"]
+        assert entry["eval"]["num_clients"] == 3  # it still evaluates
