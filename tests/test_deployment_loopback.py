@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from launch.deployment import LocalDeployment, namespaces_available
+from launch.federation import free_port
 from server_app.rounds import load_checkpoint
-from tests.conftest import read_results, run_in_background, wait_for
+from tests.conftest import copy_app, read_results, run_in_background, wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,3 +194,52 @@ def test_without_authentication_a_second_live_node_cannot_take_an_id(tmp_path):
         runner.join(1200)
     claims = _impostor_checks(result["run"], out)
     assert all("client id site-0 is held by live node" in d["reason"] for d in claims)
+
+
+def readme_recipe() -> str:
+    """The bash block under ``<!-- loopback-recipe -->`` in the README, as it stands there."""
+    text = (ROOT / "README.md").read_text().split("<!-- loopback-recipe -->", 1)[1]
+    return text.split("```bash\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_readme_loopback_recipe_runs_as_written(tmp_path):
+    """The README's deployment without Docker, pasted into bash in a copy of the app: three
+    sites train and evaluate every round, results land where it says, and its last line
+    leaves no Flower process behind."""
+    app_dir = copy_app(tmp_path / "app")
+    process = subprocess.Popen(
+        ["bash", "-c", readme_recipe()], cwd=app_dir, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PORT": str(free_port()), "PATH": f"{Path(sys.executable).parent}"
+             f"{os.pathsep}{os.environ['PATH']}", "FLWR_DISABLE_UPDATE_CHECK": "1"})
+    try:
+        output, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-3000:]
+    assert "[final] results written to outputs/loopback/results.json" in output
+    results = read_results(app_dir / "outputs" / "loopback")
+    assert results["status"] == "completed" and results["method"] == "fedper"
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+    for entry in results["rounds"]:
+        assert entry["train"]["num_clients"] == 3 and entry["eval"]["num_clients"] == 3
+    home = app_dir / ".flwr" / "loopback"
+    assert all((home / f"site-{i}" / f"{i}.pt").exists() for i in range(3))
+    wait_for(lambda: not _flower_processes_in(home, app_dir), 20, poll=0.5)
+
+
+def _flower_processes_in(*places: Path) -> list[str]:
+    """Command lines of running Flower processes that name one of ``places`` or were started
+    there (their working directory)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if ("flower-" in cmdline or "flwr-" in cmdline) and any(
+                str(p) in cmdline or cwd == str(p) for p in places):
+            found.append(cmdline)
+    return found

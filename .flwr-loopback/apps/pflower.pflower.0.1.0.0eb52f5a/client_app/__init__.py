@@ -1,0 +1,1 @@
+"""The ClientApp: one client's personalized training and evaluation."""

@@ -1,0 +1,220 @@
+"""The run configuration (contracts §2): typed, validated, one clear error per bad key.
+
+Flower hands both apps the same flat ``context.run_config`` (``[tool.flwr.app.config]`` plus
+``--run-config`` overrides). Keys are declared once, in a ``KeyGroup`` dataclass: each field
+names its key, and its type and range come from the declaration; **defaults live only in
+``pyproject.toml``** (a key missing from the run config is an error, and a test checks that
+every declared key is in ``pyproject.toml`` and every key there is declared).
+
+``RunSettings`` holds the keys every method uses; a method declares its own keys in its own
+``KeyGroup`` (e.g. ``strategies/feddecomp/spec.py``), parsed into
+``RunSettings.method_settings``.
+Which methods, datasets and backbones exist is known only to the layers above; they check those
+names (``strategies/registry.py: load_settings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+PARTITIONERS = ("iid", "dirichlet", "pathological", "domain")
+AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
+DEVICES_HELP = "auto, cpu, cuda, cuda:N"
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing, of the wrong type or out of range.
+
+    The message is one line naming the key and what is allowed.
+    """
+
+
+APP_ROOT = Path(__file__).resolve().parents[1]
+
+
+def app_defaults(root: Path = APP_ROOT) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of the app's ``pyproject.toml``: the run config Flower
+    builds when nothing is overridden (for tools and tests that run the code outside
+    Flower)."""
+    return dict(_pyproject(root)["tool"]["flwr"]["app"]["config"])
+
+
+def app_packages(root: Path = APP_ROOT) -> list[str]:
+    """The app's Python packages (``[tool.setuptools.packages.find] include``): the code that
+    travels in its bundle and that results depend on."""
+    found = _pyproject(root)["tool"]["setuptools"]["packages"]["find"]
+    return [pattern.rstrip("*") for pattern in found["include"]]
+
+
+def _pyproject(root: Path) -> dict[str, Any]:
+    return tomllib.loads((root / "pyproject.toml").read_text())
+
+
+def one_of(key: str, value: str, allowed: Iterable[str]) -> str:
+    """Return ``value`` if it is in ``allowed``, else raise a one-line ConfigError."""
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(allowed)}")
+    return value
+
+
+def in_range(key: str, value: float, low: float | None = None, high: float | None = None,
+             *, low_open: bool = False) -> float:
+    """Return ``value`` if ``low <(=) value <= high``, else raise a one-line ConfigError."""
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        bracket = "(" if low_open else "["
+        raise ConfigError(f"{key}: {value} is out of range; allowed: {bracket}{lo}, {hi}]")
+    return value
+
+
+def typed(raw: Mapping[str, Any], key: str, kind: type) -> Any:
+    """``raw[key]`` checked to be of ``kind`` (an int is accepted for a float, an integral
+    float for an int; a bool is never a number); missing keys and NaN/inf are errors."""
+    if key not in raw:
+        raise ConfigError(f"{key}: missing from the run config (its default is in "
+                          "pyproject.toml's [tool.flwr.app.config])")
+    value = raw[key]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value} is not a finite number")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def key(name: str, *, low: float | None = None, high: float | None = None,
+        low_open: bool = False, choices: Iterable[str] | None = None) -> Any:
+    """Declare a ``KeyGroup`` field: the run-config key it reads and its allowed values (the
+    field's annotation gives the type). No default: defaults live in ``pyproject.toml``."""
+    return field(metadata={"key": name, "low": low, "high": high, "low_open": low_open,
+                           "choices": tuple(choices) if choices is not None else None})
+
+
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+@dataclass(frozen=True)
+class KeyGroup:
+    """A set of run-config keys parsed into typed fields (see ``key``)."""
+
+    prefix: ClassVar[str] = ""  # documentation only: the keys' common prefix
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata]
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Self:
+        values = {}
+        for spec in dataclasses.fields(cls):
+            meta = spec.metadata
+            if "key" not in meta:
+                continue
+            value = typed(raw, meta["key"], _KINDS[str(spec.type)])
+            if meta["choices"] is not None:
+                one_of(meta["key"], value, meta["choices"])
+            if meta["low"] is not None or meta["high"] is not None:
+                in_range(meta["key"], value, meta["low"], meta["high"],
+                         low_open=meta["low_open"])
+            values[spec.name] = value
+        return cls(**values)
+
+
+def node_owners(text: str) -> dict[str, set[str]]:
+    """``identity.node-owners``: comma-separated ``<registered node name>=<client id>`` pairs
+    (a name may appear more than once) -> name -> the client ids that node may speak for."""
+    owners: dict[str, set[str]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, client_id = (p.strip() for p in item.partition("="))
+        if not sep or not name or not client_id:
+            raise ConfigError(f"identity.node-owners: {item!r} is not <node name>=<client id>")
+        owners.setdefault(name, set()).add(client_id)
+    return owners
+
+
+def at_most_local_epochs(name: str, epochs: int, local_epochs: int) -> None:
+    """A method's phase length (``fedrep.head-epochs``, ``feddecomp.lora-epochs``) fits in
+    ``local-epochs``."""
+    if not 0 <= epochs <= local_epochs:
+        raise ConfigError(f"{name}: {epochs} is out of range; allowed: "
+                          f"[0, local-epochs={local_epochs}]")
+
+
+@dataclass(frozen=True)
+class RunSettings(KeyGroup):
+    """The keys every method uses, shared by the ServerApp and the ClientApp;
+    ``method_settings`` holds the method's own ``KeyGroup`` (``None`` for a method without
+    keys)."""
+
+    method: str = key("method")
+    dataset: str = key("dataset")
+    data_root: str = key("data-root")
+    data_cache: str = key("data-cache")
+    partitioner: str = key("partitioner", choices=PARTITIONERS)
+    dirichlet_alpha: float = key("dirichlet-alpha", low=0, low_open=True)
+    min_partition_size: int = key("min-partition-size", low=0)
+    classes_per_client: int = key("classes-per-client", low=1)
+    domain_groups: int = key("domain-groups", low=1)
+    permute_labels: bool = key("permute-labels")
+    test_fraction: float = key("test-fraction", low=0, high=1, low_open=True)
+    num_classes: int = key("num-classes", low=0)
+    input_shape: str = key("input-shape")
+    model: str = key("model")
+    mlp_hidden: int = key("mlp-hidden", low=1)
+    num_server_rounds: int = key("num-server-rounds", low=1)
+    fraction_train: float = key("fraction-train", low=0, high=1, low_open=True)
+    fraction_evaluate: float = key("fraction-evaluate", low=0, high=1)
+    fused_evaluation: bool = key("fused-evaluation")
+    min_nodes: int = key("min-nodes", low=1)
+    local_epochs: int = key("local-epochs", low=0)
+    batch_size: int = key("batch-size", low=1)
+    lr: float = key("lr", low=0, low_open=True)
+    momentum: float = key("momentum", low=0, high=1)
+    weight_decay: float = key("weight-decay", low=0)
+    seed: int = key("seed")
+    device: str = key("device")
+    output_dir: str = key("output-dir")
+    round_timeout: float = key("round-timeout", low=0, low_open=True)
+    max_in_flight: int = key("max-in-flight", low=1)
+    resume_from: str = key("resume-from")
+    plot: bool = key("plot")
+    # trust boundaries (README "Security model")
+    node_owners: str = key("identity.node-owners")
+    require_registered: bool = key("identity.require-registered")
+    max_clients: int = key("identity.max-clients", low=1)
+    expire_rounds: int = key("identity.expire-rounds", low=0)
+    aggregation: str = key("aggregation.rule", choices=AGGREGATION_RULES)
+    trim_fraction: float = key("aggregation.trim-fraction", low=0, high=0.45)
+    clip_norm: float = key("aggregation.clip-norm", low=0)
+    max_num_examples: int = key("aggregation.max-num-examples", low=1)
+    method_settings: Any = field(default=None, compare=False)
+    raw: dict[str, Any] = field(repr=False, default_factory=dict, compare=False)
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:
+        """The general keys, parsed and checked; the method's own keys are not (see
+        ``strategies/registry.py: load_settings`` for the whole run config)."""
+        raw = dict(run_config)
+        settings = dataclasses.replace(cls.parse(raw), raw=raw)
+        node_owners(settings.node_owners)
+        device = settings.device
+        if not (device in ("auto", "cpu", "cuda") or
+                (device.startswith("cuda:") and device[5:].isdigit())):
+            raise ConfigError(f"device: unknown value {device!r}; allowed: {DEVICES_HELP}")
+        return settings
+
+    def with_method(self, method_settings: KeyGroup | None) -> RunSettings:
+        return dataclasses.replace(self, method_settings=method_settings)

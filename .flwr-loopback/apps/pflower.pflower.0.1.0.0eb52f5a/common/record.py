@@ -1,0 +1,76 @@
+"""What one round records, and its form in ``results.json`` (contracts §3 and §4).
+
+The strategy fills a ``RoundRecord`` per round; ``RoundRecord.entry`` is the round's object in
+``results.json``. A method adds its own per-round values with ``PersonalizedStrategy.report``
+(they land in ``extra`` and appear as top-level fields of the round's entry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.protocol import client_order
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round."""
+
+    bytes_up: int = 0
+    bytes_down_train: int = 0
+    bytes_down_evaluate: int = 0
+    train: dict[str, Any] | None = None
+    eval: dict[str, Any] | None = None
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    # CPU seconds: clients' train/evaluate handlers (their ``cpu-seconds`` metric, summed) and
+    # the server's strategy work (message building, validation, aggregation)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # wall time: the clients' phases per stage (sums, with the number of messages) and the
+    # server's wait for each exchange
+    client_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    exchange_seconds: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific, e.g. similarities
+
+    def add_cpu(self, name: str, seconds: float) -> None:
+        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + seconds
+
+    def entry(self, server_round: int, seconds: float) -> dict[str, Any]:
+        """The round's object in ``results.json``."""
+        entry: dict[str, Any] = {
+            "round": server_round, "seconds": seconds, "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down_train + self.bytes_down_evaluate,
+            "bytes_down_train": self.bytes_down_train,
+            "bytes_down_evaluate": self.bytes_down_evaluate}
+        if self.train is not None:
+            entry["train"] = self.train
+        if self.eval is not None:
+            entry["eval"] = self.eval
+        if self.dropped:
+            entry["dropped"] = self.dropped
+        if self.cpu_seconds:
+            entry["cpu_seconds"] = self.cpu_seconds
+        if self.client_seconds:
+            entry["client_seconds"] = self.client_seconds
+        if self.exchange_seconds:
+            entry["exchange_seconds"] = self.exchange_seconds
+        entry.update(self.extra)
+        return entry
+
+
+def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, Any]:
+    """Contracts §3: weighted/mean/std/min accuracy over clients, plus the per-client map
+    (``per_client``: client id -> (accuracy, test examples))."""
+    accuracy = np.array([a for a, _ in per_client.values()])
+    examples = np.array([n for _, n in per_client.values()], dtype=float)
+    return {
+        "accuracy_weighted": float((accuracy * examples).sum() / examples.sum()),
+        "accuracy_mean": float(accuracy.mean()),
+        "accuracy_std": float(accuracy.std()),
+        "accuracy_min": float(accuracy.min()),
+        "num_clients": len(per_client),
+        "per_client": {cid: a for cid, (a, _) in sorted(per_client.items(),
+                                                        key=lambda kv: client_order(kv[0]))},
+    }

@@ -1,0 +1,274 @@
+"""Data loading and partitioning: one client's train and test split for a run config.
+
+``load_client_data`` is the single entry point of the ClientApp; ``dataset_shape`` tells the
+ServerApp the input shape and number of classes without loading any data (for a named
+dataset).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from common.config import ConfigError, KeyGroup, RunSettings, in_range, key, one_of
+from fldata.cache import cache_key, cached_split, fingerprint
+from fldata.idx import find_idx_dir, search_dirs
+from fldata.partition import label_permutation, partition_indices, train_test_split
+from fldata.sources import (
+    SyntheticFedFac,
+    arrays_from_hf,
+    digits_pool,
+    hub_unreachable,
+    load_local,
+)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    input_shape: tuple[int, ...]
+    num_classes: int
+    default_model: str
+    hub_id: str = ""           # Hugging Face dataset id, loaded through flwr-datasets
+    hub_subset: str | None = None
+    label_column: str = "label"
+    idx: bool = False          # a local copy in IDX files is used before the hub
+    system_dir: str = ""       # where a system package installs those files
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "digits": DatasetInfo((1, 8, 8), 10, "cnn"),
+    "synthetic-fedfac": DatasetInfo((0,), 2, "mlp"),   # (dim,) comes from synthetic.dim
+    "mnist": DatasetInfo((1, 28, 28), 10, "cnn", "ylecun/mnist", idx=True),
+    "fashion-mnist": DatasetInfo((1, 28, 28), 10, "cnn", "zalando-datasets/fashion_mnist",
+                                 idx=True, system_dir="/usr/share/datasets/fashion-mnist"),
+    "cifar10": DatasetInfo((3, 32, 32), 10, "resnet8", "uoft-cs/cifar10"),
+    "cifar100": DatasetInfo((3, 32, 32), 100, "resnet9", "uoft-cs/cifar100",
+                            label_column="fine_label"),
+    "svhn": DatasetInfo((3, 32, 32), 10, "resnet8", "ufldl-stanford/svhn", "cropped_digits"),
+}
+
+
+def is_local_path(dataset: str) -> bool:
+    """A ``dataset`` value that names a file or directory rather than a known dataset."""
+    return dataset not in DATASETS and ("/" in dataset or dataset.endswith(".npz"))
+
+
+@dataclass(frozen=True)
+class ClientData:
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class SyntheticSettings(KeyGroup):
+    """The ``synthetic.*`` keys of ``dataset = "synthetic-fedfac"``."""
+
+    num_samples: int = key("synthetic.num-samples", low=1)
+    dim: int = key("synthetic.dim", low=1)
+    hidden: int = key("synthetic.hidden", low=1)
+    shared_param_fraction: float = key("synthetic.shared-param-fraction", low=0, high=1)
+    shared_covariate_fraction: float = key("synthetic.shared-covariate-fraction", low=0, high=1)
+    noise: float = key("synthetic.noise", low=0)
+
+
+def check_dataset(settings: RunSettings) -> None:
+    """A known dataset or a local path; the synthetic keys when they are used; a
+    pathological partition that a named dataset's classes can serve."""
+    if not is_local_path(settings.dataset):
+        one_of("dataset", settings.dataset, [*DATASETS, "<a local path>"])
+    if settings.dataset == "synthetic-fedfac":
+        SyntheticSettings.parse(settings.raw)
+    if settings.dataset in DATASETS and settings.partitioner == "pathological":
+        _, num_classes = dataset_shape(settings)
+        in_range("classes-per-client", settings.classes_per_client, 1, num_classes)
+
+
+def check_local_files(settings: RunSettings) -> None:
+    """The files the run config names exist on this machine (``data-root``, a local
+    ``dataset`` path): for a launcher whose sites are this machine (a simulation), before
+    anything starts. A deployment's sites check their own, at the preflight."""
+    if settings.data_root and not Path(settings.data_root).is_dir():
+        raise ConfigError(f"data-root: no such directory: {settings.data_root}")
+    local_copy(settings)
+    if is_local_path(settings.dataset) and not Path(settings.dataset).exists():
+        raise ConfigError(f"dataset: no such file or directory: {settings.dataset}")
+
+
+def synthetic_generator(settings: RunSettings) -> SyntheticFedFac:
+    synthetic = SyntheticSettings.parse(settings.raw)
+    return SyntheticFedFac(
+        dim=synthetic.dim,
+        hidden=synthetic.hidden,
+        shared_param_fraction=synthetic.shared_param_fraction,
+        shared_covariate_fraction=synthetic.shared_covariate_fraction,
+        noise=synthetic.noise,
+    )
+
+
+def dataset_shape(settings: RunSettings) -> tuple[tuple[int, ...], int]:
+    """(input shape, number of classes) of the run's dataset, without loading it."""
+    if settings.dataset == "synthetic-fedfac":
+        return (SyntheticSettings.parse(settings.raw).dim,), 2
+    if settings.dataset in DATASETS:
+        info = DATASETS[settings.dataset]
+        return info.input_shape, info.num_classes
+    num_classes, shape = settings.num_classes, settings.input_shape
+    if num_classes > 0 and shape:
+        try:
+            return tuple(int(s) for s in shape.split(",")), num_classes
+        except ValueError:
+            raise ConfigError(f"input-shape: {shape!r} is not a comma-separated list of "
+                              "integers, e.g. '3,32,32'") from None
+    x, y = _pool(settings.dataset)  # the server can read it: take the facts from it
+    return tuple(x.shape[1:]), int(y.max()) + 1
+
+
+def default_model(settings: RunSettings) -> str:
+    if settings.model:
+        return settings.model
+    if settings.dataset in DATASETS:
+        return DATASETS[settings.dataset].default_model
+    shape, _ = dataset_shape(settings)
+    return "mlp" if len(shape) == 1 else "cnn"
+
+
+def local_copy(settings: RunSettings) -> Path | None:
+    """The directory of IDX files that a named dataset (``mnist``, ``fashion-mnist``) is read
+    from instead of the hub, or None (then it comes from the hub).
+
+    ``data-root`` set: ``<data-root>/<dataset>`` or ``data-root`` itself must hold the four
+    files, else loading fails with one line (no silent download). Empty: the first of
+    ``$PFLOWER_DATA_ROOT/<dataset>``, ``~/.cache/pflower/<dataset>`` and the system
+    package's folder that holds them (``fldata.idx.search_dirs``)."""
+    info = DATASETS.get(settings.dataset)
+    if info is None or not info.idx:
+        return None
+    data_root = settings.data_root
+    found = find_idx_dir(settings.dataset, data_root, info.system_dir)
+    if found is None and data_root:
+        raise ConfigError(f"data-root: no {settings.dataset} IDX files (train-images-idx3-ubyte"
+                          f"[.gz] and the other three) in "
+                          f"{' or '.join(map(str, search_dirs(settings.dataset, data_root)))}")
+    return found
+
+
+def pool_source(settings: RunSettings) -> str | None:
+    """What ``_pool`` loads the run's pool from (``digits``, a local path, a named dataset's
+    local copy), or None for a dataset that comes partitioned from the hub."""
+    if settings.dataset in DATASETS and DATASETS[settings.dataset].hub_id:
+        found = local_copy(settings)
+        return None if found is None else str(found)
+    return settings.dataset
+
+
+def _pool(source: str) -> tuple[np.ndarray, np.ndarray]:
+    if source == "digits":
+        return digits_pool()
+    return _local_pool(source, json.dumps(fingerprint(source)))
+
+
+@lru_cache(maxsize=2)
+def _local_pool(path: str, version: str) -> tuple[np.ndarray, np.ndarray]:
+    """A local pool, kept while its files (``version``: their fingerprint) stay the same."""
+    return load_local(path)
+
+
+def _checked_pool(settings: RunSettings, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """The pool, checked against what a named dataset promises the server (input shape,
+    number of classes): a local copy of the wrong dataset stops the run with one line."""
+    x, y = _pool(source)
+    info = DATASETS.get(settings.dataset)
+    if info is not None and info.idx and (tuple(x.shape[1:]) != info.input_shape
+                                          or int(y.max()) >= info.num_classes):
+        raise ConfigError(f"dataset: the local copy in {source} holds {len(x)} examples of "
+                          f"shape {tuple(x.shape[1:])} in {int(y.max()) + 1} classes; "
+                          f"{settings.dataset} has shape {info.input_shape} in "
+                          f"{info.num_classes} classes")
+    return x, y
+
+
+def _hub_partition(settings: RunSettings, partition_id: int,
+                   num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
+    """One partition of a hub dataset's train split, through flwr-datasets (which caches
+    the download on disk)."""
+    from flwr_datasets import FederatedDataset
+
+    from fldata.partition import make_partitioner
+
+    info = DATASETS[settings.dataset]
+    if (reason := hub_unreachable(info.hub_id)) is not None:
+        # else each client would retry the hub for about 25 s before failing
+        where = (f"no IDX files in {' or '.join(map(str, search_dirs(settings.dataset, '')))}"
+                 " (data-root names a folder of them), and " if info.idx else "")
+        raise ConfigError(f"dataset: {settings.dataset} is not on this machine: {where}"
+                          f"{info.hub_id} cannot be downloaded: {reason}")
+    # The pool size only bounds Dirichlet's minimum partition size; hub sets are large.
+    partitioner = make_partitioner(settings, num_partitions, pool_size=10**9,
+                                   partition_by=info.label_column)
+    fds = FederatedDataset(dataset=info.hub_id, subset=info.hub_subset,
+                           partitioners={"train": partitioner}, shuffle=True,
+                           seed=settings.seed)
+    return arrays_from_hf(fds.load_partition(partition_id, "train"), info.label_column)
+
+
+def partition_arrays(settings: RunSettings, partition_id: int,
+                     num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Partition ``partition_id`` of the run's dataset (train and test together)."""
+    if settings.dataset == "synthetic-fedfac":
+        return synthetic_generator(settings).client(
+            settings.seed, partition_id, SyntheticSettings.parse(settings.raw).num_samples)
+    if (source := pool_source(settings)) is None:
+        return _hub_partition(settings, partition_id, num_partitions)
+    x_pool, y_pool = _checked_pool(settings, source)
+    idx = partition_indices(y_pool, settings, partition_id, num_partitions)
+    return x_pool[idx], y_pool[idx]
+
+
+def load_client_data(settings: RunSettings, partition_id: int, num_partitions: int,
+                     data_dir: str | None = None, cache_dir: Path | None = None) -> ClientData:
+    """One client's train/test split.
+
+    ``data_dir`` (a SuperNode's ``data-dir`` node config) is a device's own data: it is used
+    whole, with no partitioning. Otherwise the run's dataset is partitioned over
+    ``num_partitions`` clients and this client takes partition ``partition_id``. With
+    ``cache_dir`` the split is computed once and memory-mapped after (``fldata/cache.py``).
+    """
+    if not 0 <= partition_id < num_partitions:
+        raise ConfigError(f"partition-id: {partition_id} is out of range; allowed: "
+                          f"[0, {num_partitions - 1}]")
+    _, num_classes = dataset_shape(settings)
+
+    def compute() -> dict[str, np.ndarray]:
+        return _split(settings, partition_id, num_partitions, num_classes, data_dir)
+
+    if cache_dir is None:
+        split = compute()
+    else:
+        sources = [fingerprint(p) for p in (data_dir, settings.data_root) if p]
+        if is_local_path(settings.dataset):
+            sources.append(fingerprint(settings.dataset))
+        split = cached_split(cache_dir, cache_key(
+            {**settings.raw, "data-dir": data_dir}, partition_id, num_partitions, sources),
+            compute)
+    return ClientData(split["x_train"], split["y_train"], split["x_test"], split["y_test"],
+                      num_classes)
+
+
+def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_classes: int,
+           data_dir: str | None) -> dict[str, np.ndarray]:
+    if data_dir:
+        x, y = load_local(Path(data_dir))
+    else:
+        x, y = partition_arrays(settings, partition_id, num_partitions)
+    # Split before permuting, so that permute-labels changes the labels and nothing else.
+    train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
+    if settings.permute_labels:
+        y = label_permutation(num_classes, settings.seed, partition_id)[y]
+    return {"x_train": x[train], "y_train": y[train], "x_test": x[test], "y_test": y[test]}

@@ -1,0 +1,133 @@
+"""Partitioning a labelled pool over clients, label permutation and local train/test splits.
+
+The partitioners are flwr-datasets' own (``IidPartitioner``, ``DirichletPartitioner``,
+``PathologicalPartitioner``) plus ``DomainPartitioner`` for the one layout flwr-datasets lacks.
+All of them work on a ``datasets.Dataset`` with a ``label`` column, whether it came from the
+Hugging Face hub (``FederatedDataset``) or was built in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from common.config import ConfigError, RunSettings
+
+if TYPE_CHECKING:  # flwr-datasets and datasets load in seconds: only where a pool is split
+    from flwr_datasets.partitioner import Partitioner
+
+LABEL = "label"
+
+
+def make_partitioner(settings: RunSettings, num_partitions: int, pool_size: int,
+                     partition_by: str = LABEL) -> Partitioner:
+    """The flwr-datasets partitioner named by ``settings.partitioner``."""
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
+
+    from fldata.domain import DomainPartitioner
+
+    if settings.partitioner == "iid":
+        return IidPartitioner(num_partitions)
+    if settings.partitioner == "dirichlet":
+        return DirichletPartitioner(
+            num_partitions, partition_by, settings.dirichlet_alpha,
+            min_partition_size=min_partition_size(settings, num_partitions, pool_size),
+            self_balancing=False, shuffle=True, seed=settings.seed)
+    if settings.partitioner == "pathological":
+        # "deterministic": client i holds classes i, i+1, ..., i+k-1 (mod C), so neighbouring
+        # clients overlap and, with num_partitions * k >= C, every class is used.
+        return PathologicalPartitioner(
+            num_partitions, partition_by, settings.classes_per_client,
+            class_assignment_mode="deterministic", shuffle=True, seed=settings.seed)
+    return DomainPartitioner(num_partitions, settings.domain_groups, partition_by,
+                             seed=settings.seed)
+
+
+def min_partition_size(settings: RunSettings, num_partitions: int, pool_size: int) -> int:
+    """Dirichlet: the fewest examples a client may get (``min-partition-size``, at most half
+    an even share, so that small pools stay drawable)."""
+    return min(settings.min_partition_size, pool_size // (2 * num_partitions))
+
+
+# Partitioners with their pool assigned, per (labels, partition settings, number of
+# partitions): flwr-datasets' partitioners draw every partition at their first
+# ``load_partition`` and keep them, so a process that serves many clients (a simulation
+# worker) partitions the pool once instead of once per client. A few entries at most: a
+# process serves one run at a time.
+_PARTITIONERS: dict[tuple, Partitioner] = {}
+_KEEP = 4
+
+
+def _partition_settings(settings: RunSettings) -> tuple:
+    return (settings.partitioner, settings.dirichlet_alpha, settings.min_partition_size,
+            settings.classes_per_client, settings.domain_groups, settings.seed)
+
+
+def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: int,
+                      num_partitions: int) -> np.ndarray:
+    """Indices into ``labels`` of one client's examples (train and test together)."""
+    key = (hashlib.sha1(np.ascontiguousarray(labels).tobytes()).hexdigest(), labels.dtype.str,
+           len(labels), _partition_settings(settings), num_partitions)
+    partitioner = _PARTITIONERS.get(key)
+    if partitioner is None:
+        # flwr-datasets' IidPartitioner shards contiguously: shuffle the pool first (seeded)
+        # so that every partitioner sees the same, order-free pool.
+        import datasets
+
+        order = np.random.default_rng(settings.seed).permutation(len(labels))
+        partitioner = make_partitioner(settings, num_partitions, len(labels))
+        partitioner.dataset = datasets.Dataset.from_dict({"idx": order, LABEL: labels[order]})
+        while len(_PARTITIONERS) >= _KEEP:
+            _PARTITIONERS.pop(next(iter(_PARTITIONERS)))
+        _PARTITIONERS[key] = partitioner
+    try:
+        indices = partitioner.load_partition(partition_id)["idx"]
+    except ValueError as error:
+        if settings.partitioner != "dirichlet":
+            raise ConfigError(f"partitioner: {settings.partitioner} cannot split this pool of "
+                              f"{len(labels)} examples in {len(np.unique(labels))} classes "
+                              f"over {num_partitions} clients: {error}") from error
+        # flwr-datasets redraws up to 10 times while a client has too few examples; many
+        # clients on a small pool (1,000 clients of 20 examples on average) never get there
+        raise ConfigError(
+            f"dirichlet: no draw in 10 gave each of {num_partitions} clients at least "
+            f"{min_partition_size(settings, num_partitions, len(labels))} of the pool's "
+            f"{len(labels)} examples (dirichlet-alpha={settings.dirichlet_alpha}); lower "
+            "min-partition-size (2 keeps one train and one test example), raise "
+            "dirichlet-alpha, or use fewer clients") from error
+    return np.sort(np.asarray(indices, dtype=np.int64))
+
+
+def label_permutation(num_classes: int, seed: int, partition_id: int) -> np.ndarray:
+    """Client ``partition_id``'s own bijection of the label set (``permute-labels``)."""
+    return np.random.default_rng([seed, 7919, partition_id]).permutation(num_classes)
+
+
+def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,
+                     partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified split of one client's examples: the test split has the train split's mix.
+
+    Per class, ``round(test_fraction * n)`` examples go to test (a class with a single
+    example stays in train). A client that would have no test example this way (a few
+    examples of different classes, as with 1,000 clients on a small pool) keeps one of them
+    back, so that it can still be evaluated. Returns (train positions, test positions).
+    """
+    rng = np.random.default_rng([seed, 104729, partition_id])
+    train, test = [], []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        n_test = round(test_fraction * len(members)) if len(members) > 1 else 0
+        test.append(members[:n_test])
+        train.append(members[n_test:])
+    train_positions, test_positions = np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+    if len(test_positions) == 0 and len(train_positions) > 1:
+        kept = rng.integers(len(train_positions))
+        test_positions = train_positions[kept:kept + 1]
+        train_positions = np.delete(train_positions, kept)
+    return train_positions, test_positions

@@ -1,0 +1,216 @@
+"""Where examples come from: bundled, generated, Hugging Face hub, or local files.
+
+Every source yields a pool ``(x, y)``: ``x`` float32 of shape ``(N, *input_shape)``, ``y``
+int64 class ids. Images are scaled to [0, 1] and normalised per channel (mean 0.5, std 0.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # the Hugging Face datasets library loads in seconds: only where it is used
+    import datasets
+
+from fldata.idx import holds_idx, read_idx_split
+
+
+@dataclass(frozen=True)
+class SyntheticFedFac:
+    """One client's data from a FedFac-style teacher-student generator.
+
+    It follows the idea of the FedFac paper's simulation (a one-hidden-layer teacher of which
+    some hidden units are common to all clients) but is **not** the paper's generator (its
+    eq. 8). Issue #13 lists where it departs: Gaussian draws where the paper's are uniform,
+    client-specific output weights where the paper fixes them, personal weights not drawn
+    around the client mean, labels split at the median. Exactly what it draws, for client
+    ``c`` with ``d = dim``, ``m = hidden``:
+
+    - covariates ``x = [x_p, x_s]``: ``d - d_s`` personal ones ``x_p ~ N(mu_c, Sigma)``,
+      ``Sigma_ij = 0.5^|i-j|``, ``mu_c ~ N(0, I)`` per client, and ``d_s = round(alpha * d)``
+      shared ones ``x_s ~ N(0, I)`` (``alpha`` = ``shared_covariate_fraction``);
+    - teacher: hidden units ``j < m2 = round(p * m)`` (``p`` = ``shared_param_fraction``) take
+      input weights ``w1_j ~ N(0, I/d)`` and output weight ``w2_j ~ N(0, 1/m)`` drawn once for
+      all clients; the other ``m - m2`` units take input and output weights from the same
+      distributions, drawn independently for each client;
+    - ``f = relu(x w1^T) w2``, centred at the client's median and divided by its standard
+      deviation, ``y = 1[4 f + noise * e > 0]`` with ``e ~ N(0, 1)``: about half of each
+      client's labels are 1.
+    """
+
+    dim: int
+    hidden: int
+    shared_param_fraction: float
+    shared_covariate_fraction: float
+    noise: float
+
+    @property
+    def num_shared_units(self) -> int:
+        return round(self.shared_param_fraction * self.hidden)
+
+    @property
+    def num_shared_covariates(self) -> int:
+        return round(self.shared_covariate_fraction * self.dim)
+
+    def true_shared_units(self) -> np.ndarray:
+        """Boolean mask over hidden units: True for the teacher's shared units (the first
+        ``m2``). A student with ``hidden`` units given this split is the oracle FedFac is
+        compared with."""
+        return np.arange(self.hidden) < self.num_shared_units
+
+    def _teacher(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        w1 = rng.normal(0, 1 / np.sqrt(self.dim), (self.hidden, self.dim))
+        w2 = rng.normal(0, 1 / np.sqrt(self.hidden), self.hidden)
+        return w1, w2
+
+    def client(self, seed: int, client: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        shared_w1, shared_w2 = self._teacher(np.random.default_rng([seed, 0]))
+        rng = np.random.default_rng([seed, 1, client])
+        own_w1, own_w2 = self._teacher(rng)
+        shared = self.true_shared_units()
+        w1 = np.where(shared[:, None], shared_w1, own_w1)
+        w2 = np.where(shared, shared_w2, own_w2)
+
+        d_p = self.dim - self.num_shared_covariates
+        idx = np.arange(d_p)
+        sigma = 0.5 ** np.abs(idx[:, None] - idx[None, :])
+        mu = rng.normal(0, 1, d_p)
+        x_p = rng.multivariate_normal(mu, sigma, num_samples) if d_p else np.empty((num_samples, 0))
+        x_s = rng.normal(0, 1, (num_samples, self.num_shared_covariates))
+        x = np.concatenate([x_p, x_s], axis=1)
+
+        f = np.maximum(x @ w1.T, 0) @ w2
+        f = (f - np.median(f)) / (f.std() + 1e-12)
+        logit = 4 * f + self.noise * rng.normal(0, 1, num_samples)
+        y = (1 / (1 + np.exp(-logit)) > 0.5).astype(np.int64)
+        return x.astype(np.float32), y
+
+
+@lru_cache(maxsize=1)
+def digits_pool() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), as (N, 1, 8, 8)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.images.astype(np.float32) / 16.0 - 0.5) / 0.5
+    return x[:, None], bunch.target.astype(np.int64)
+
+
+def hub_unreachable(hub_id: str, timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot give this machine ``hub_id`` now (offline mode set, or
+    its host does not answer within ``timeout`` seconds), or None: reachable, or a copy is in
+    the local cache. Checked before loading: ``datasets`` retries an unreachable hub for
+    about 25 s before it fails."""
+    import socket
+    from urllib.parse import urlparse
+
+    from datasets import config
+    from huggingface_hub import constants
+
+    if ((Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").exists()
+            or (Path(config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")).exists()):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set and no copy is in the local cache"
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+    except OSError as error:
+        return f"{endpoint.hostname}:{port} is unreachable ({error.strerror or error})"
+    return None
+
+
+def _image_column(ds: datasets.Dataset) -> str:
+    import datasets
+
+    for name, feature in ds.features.items():
+        if isinstance(feature, datasets.Image):
+            return name
+    for name in ("image", "img", "x"):
+        if name in ds.column_names:
+            return name
+    raise ValueError(f"no image column in {ds.column_names}")
+
+
+def arrays_from_hf(ds: datasets.Dataset, label_column: str = "label") -> tuple[np.ndarray,
+                                                                               np.ndarray]:
+    """Images (PIL or nested lists) and labels of a ``datasets.Dataset`` as (x, y) arrays.
+
+    Grey images become (N, 1, H, W), colour ones (N, 3, H, W), normalised as above.
+    """
+    import datasets
+
+    column = _image_column(ds)
+    images = ds.with_format("numpy")[column] if not isinstance(
+        ds.features[column], datasets.Image) else np.stack([np.asarray(im) for im in ds[column]])
+    return normalise_images(images), np.asarray(ds[label_column], dtype=np.int64)
+
+
+def normalise_images(images: np.ndarray) -> np.ndarray:
+    """Grey (N, H, W) or colour (N, H, W, C) pixels, in [0, 255] or [0, 1], as float32
+    (N, C, H, W) normalised as above. Every image source goes through here, so a dataset
+    read from local files matches the same dataset from the hub value for value."""
+    x = np.array(images, dtype=np.float32)  # a copy of our own: the steps below work in place
+    if x.max() > 1.0:
+        x /= 255.0
+    x -= 0.5
+    x /= 0.5
+    return x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+
+
+def idx_pool(directory: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """The train split of a directory of IDX files (MNIST layout), as (x, y) normalised like
+    the hub's copy of the same dataset: the hub path partitions the train split only."""
+    images, labels = read_idx_split(directory, "train")
+    return normalise_images(images), labels.astype(np.int64)
+
+
+def _saved_by_datasets(path: Path) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def resolve_local(path: str | Path) -> Path:
+    """The dataset a local path means: the path itself when it is an ``.npz`` or a saved
+    ``datasets`` directory, else the one such entry inside the directory (a site's mounted
+    data folder holding ``train.npz``, say)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset: no such file or directory: {path}")
+    if not path.is_dir() or _saved_by_datasets(path) or holds_idx(path):
+        return path
+    found = sorted(p for p in path.iterdir() if not p.name.startswith(".") and (
+        (p.suffix == ".npz" and p.is_file()) or (p.is_dir() and _saved_by_datasets(p))))
+    if len(found) != 1:
+        raise FileNotFoundError(
+            f"dataset: {path} holds {len(found)} datasets ({', '.join(p.name for p in found)})"
+            "; it must be an .npz or a datasets.save_to_disk folder, or hold exactly one")
+    return found[0]
+
+
+def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray]:
+    """A dataset on local disk, for air-gapped devices.
+
+    Either a ``.npz`` file with arrays ``x`` (N, C, H, W) or (N, D) and ``y`` (N,), a
+    directory holding the four MNIST-layout IDX files (the train split is used, see
+    ``idx_pool``), a directory written by ``datasets.Dataset.save_to_disk`` (a
+    ``DatasetDict``'s ``train`` split is used), or a directory holding exactly one ``.npz``
+    or saved dataset (see ``resolve_local``).
+    """
+    path = resolve_local(path)
+    if path.suffix == ".npz":
+        with np.load(path) as data:
+            return data["x"].astype(np.float32), data["y"].astype(np.int64)
+    if holds_idx(path):
+        return idx_pool(path)
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        loaded = loaded["train"]
+    return arrays_from_hf(loaded, label_column)

@@ -1,0 +1,111 @@
+"""Backbones. Every one is ``body`` (the feature extractor) followed by ``head`` (one Linear).
+
+Methods rely on this split: ``head.*`` is the classifier (FedPer/FedRep keep it private,
+pFedC replaces it by branches), everything under ``body.*`` is the representation.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor, nn
+
+
+class Backbone(nn.Module):
+    """``head(body(x))``, with the body's output flattened."""
+
+    def __init__(self, body: nn.Module, feature_dim: int, num_classes: int) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(feature_dim, num_classes)
+        self.feature_dim = feature_dim
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.body(x).flatten(1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x))
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int) -> Backbone:
+    """One hidden ReLU layer: the FedFac paper's simulation model."""
+    body = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.ReLU())
+    return Backbone(body, hidden, num_classes)
+
+
+def _conv_bn(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True)]
+
+
+def cnn(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> Backbone:
+    """Two conv-BN-ReLU blocks and one hidden Linear; works from 8x8 inputs upwards."""
+    body = nn.Sequential(
+        *_conv_bn(input_shape[0], 32), nn.MaxPool2d(2),
+        *_conv_bn(32, 64), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        nn.Linear(64 * 4, hidden), nn.ReLU(inplace=True),
+    )
+    return Backbone(body, hidden, num_classes)
+
+
+class BasicBlock(nn.Module):
+    """The two-conv residual block of ResNet-18 (He et al. 2016)."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+def _resnet(input_shape: tuple[int, ...], num_classes: int, widths: list[int],
+            blocks: int) -> Backbone:
+    """CIFAR-style ResNet: 3x3 stem, one stage per width (stride 2 after the first)."""
+    layers: list[nn.Module] = _conv_bn(input_shape[0], widths[0])
+    cin = widths[0]
+    for i, width in enumerate(widths):
+        for b in range(blocks):
+            layers.append(BasicBlock(cin, width, 2 if (i > 0 and b == 0) else 1))
+            cin = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return Backbone(nn.Sequential(*layers), cin, num_classes)
+
+
+def resnet8(input_shape: tuple[int, ...], num_classes: int, hidden: int = 0) -> Backbone:
+    return _resnet(input_shape, num_classes, [16, 32, 64], blocks=1)
+
+
+def resnet18(input_shape: tuple[int, ...], num_classes: int, hidden: int = 0) -> Backbone:
+    return _resnet(input_shape, num_classes, [64, 128, 256, 512], blocks=2)
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(*_conv_bn(width, width), *_conv_bn(width, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.block(x)
+
+
+def resnet9(input_shape: tuple[int, ...], num_classes: int, hidden: int = 0) -> Backbone:
+    """The DAWNBench ResNet-9 (prep, three stages, two residual blocks)."""
+    body = nn.Sequential(
+        *_conv_bn(input_shape[0], 64),
+        *_conv_bn(64, 128), nn.MaxPool2d(2), _Residual(128),
+        *_conv_bn(128, 256), nn.MaxPool2d(2),
+        *_conv_bn(256, 512), nn.MaxPool2d(2), _Residual(512),
+        nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+    )
+    return Backbone(body, 512, num_classes)

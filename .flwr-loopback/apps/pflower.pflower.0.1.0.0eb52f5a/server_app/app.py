@@ -1,0 +1,82 @@
+"""The ServerApp: validate the run config, build the method's strategy, run the rounds,
+write results.json after each one."""
+
+from __future__ import annotations
+
+import random
+from logging import ERROR, INFO
+
+from flwr.app import ArrayRecord, Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from common.config import ConfigError, RunSettings
+from common.protocol import error_reason
+from server_app.results import ResultsRecorder, output_dir
+from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
+from strategies.personalized import RunFailedError
+from strategies.registry import REGISTRY, load_settings
+from strategies.wire import WireSpec
+
+app = ServerApp()
+
+
+def initial_shared_arrays(settings: RunSettings) -> ArrayRecord:
+    """The method's shared part of the seeded initial model (what round 1 sends)."""
+    return initial_state(settings)[0]
+
+
+def initial_state(settings: RunSettings) -> tuple[ArrayRecord, WireSpec]:
+    """(the shared part of the seeded initial model, the method's wire spec)."""
+    method = REGISTRY[settings.method]
+    model = method.build_model(settings)
+    wire = method.wire(model, settings)
+    state = model.state_dict()
+    return ArrayRecord({k: state[k] for k in wire.shared_keys}), wire
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    try:
+        settings = load_settings(context.run_config)
+        initial, wire = initial_state(settings)
+    except ConfigError as error:
+        log(ERROR, "Invalid run config: %s", error)
+        # An Exception (not SystemExit) is what marks the run as failed in Flower.
+        raise ConfigError(str(error)) from None
+    random.seed(settings.seed)  # node sampling
+    strategy = REGISTRY[settings.method].strategy(settings, initial, wire)
+    recorder = ResultsRecorder(settings, strategy, output_dir(settings))
+    log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
+        settings.dataset, settings.partitioner, recorder.out_dir)
+    first_round, arrays = 1, initial
+    run_ids = [str(context.run_id)]  # this run and the runs it continues
+    if settings.resume_from:
+        checkpoint = load_checkpoint(settings.resume_from)
+        try:
+            check_resumable(checkpoint, settings.raw)
+        except ConfigError as error:
+            log(ERROR, "Invalid run config: %s", error)
+            raise ConfigError(str(error)) from None
+        first_round, arrays = resume(checkpoint, strategy, recorder)
+        earlier = [str(r) for r in checkpoint.get("run_ids", [])]
+        run_ids = [*earlier, *run_ids]
+        # Clients may continue from personal state saved by these runs, up to this round.
+        strategy.message_config = {"resume-round": checkpoint["round"]}
+        if earlier:
+            strategy.message_config["resume-runs"] = earlier
+    try:
+        strategy.identify(grid, first_round)
+        arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
+                            settings.num_server_rounds, run_ids)
+        if (missing := recorder.missing_evaluation()) is not None:
+            raise RunFailedError(missing, settings.num_server_rounds)
+        recorder.finish(strategy.after_training(grid, arrays))
+    except RunFailedError as failure:
+        # results.json says so, and the exception marks the run failed in Flower (its
+        # status details carry the reason: the launchers print them)
+        recorder.fail(str(failure), failure.through_round)
+        raise
+    except Exception as error:
+        recorder.fail(error_reason(error), recorder.last_round)
+        raise

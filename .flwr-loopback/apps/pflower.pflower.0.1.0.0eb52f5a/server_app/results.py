@@ -1,0 +1,181 @@
+"""results.json (contracts §4), the plot beside it, and the terminal progress lines."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from logging import ERROR, INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.common.logger import log
+
+from common.config import RunSettings
+from common.durable import write_json
+from common.record import RoundRecord
+from strategies.personalized import PersonalizedStrategy
+
+MB = 1024**2
+
+
+def output_dir(settings: RunSettings) -> Path:
+    if settings.output_dir:
+        return Path(settings.output_dir)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    return Path("outputs") / f"{stamp}-{settings.method}"
+
+
+class ResultsRecorder:
+    """Writes results.json after every round: each round's ``RoundRecord`` entry
+    (``common/record.py``), the run's totals and the strategy's per-client tables, and the
+    run's ``status``: ``running``, then ``completed`` (``finish``: every round ran and the
+    last evaluation produced accuracies) or ``failed`` with its one-line ``reason``."""
+
+    def __init__(self, settings: RunSettings, strategy: PersonalizedStrategy,
+                 out_dir: Path) -> None:
+        self.settings = settings
+        self.strategy = strategy
+        self.out_dir = out_dir
+        self.rounds: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}  # after-training results (e.g. FedFac's new clients)
+        self.status, self.reason = "running", ""
+        self._t_start = self._t_round = time.monotonic()
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def path(self) -> Path:
+        return self.out_dir / "results.json"
+
+    @property
+    def last_round(self) -> int:
+        """The last round written (0: none)."""
+        return self.rounds[-1]["round"] if self.rounds else 0
+
+    def start(self) -> None:
+        """Start the round clock; write results.json (the rounds restored on resume)."""
+        self._t_start = self._t_round = time.monotonic()
+        self.write()
+
+    def on_round(self, server_round: int) -> None:
+        """A round is done: add its entry, rewrite results.json, print the progress line."""
+        now = time.monotonic()
+        record = self.strategy.history.get(server_round, RoundRecord())
+        entry = record.entry(server_round, now - self._t_round)
+        self._t_round = now
+        self.rounds.append(entry)
+        self.write()
+        self._progress(entry)
+
+    def _progress(self, entry: dict[str, Any]) -> None:
+        acc = entry.get("eval", {})
+        log(INFO, "[progress] round %3d | acc weighted %s min %s | up %.3f MB down %.3f MB"
+            " | %.1f s",
+            entry["round"], _fmt(acc.get("accuracy_weighted")), _fmt(acc.get("accuracy_min")),
+            entry.get("bytes_up", 0) / MB, entry.get("bytes_down", 0) / MB, entry["seconds"])
+
+    def final(self) -> dict[str, Any]:
+        evaluated = [r["eval"] for r in self.rounds if "eval" in r]
+        last = evaluated[-1] if evaluated else {}
+        return {
+            "accuracy_weighted": last.get("accuracy_weighted"),
+            "accuracy_mean": last.get("accuracy_mean"),
+            "accuracy_std": last.get("accuracy_std"),
+            "accuracy_min": last.get("accuracy_min"),
+            "bytes_up_total": sum(r.get("bytes_up", 0) for r in self.rounds),
+            "bytes_down_total": sum(r.get("bytes_down", 0) for r in self.rounds),
+            "seconds_total": sum(r["seconds"] for r in self.rounds),
+        }
+
+    def payload(self) -> dict[str, Any]:
+        outcome = {"status": self.status, **({"reason": self.reason} if self.reason else {})}
+        return {"method": self.settings.method, **outcome, "config": dict(self.settings.raw),
+                "rounds": self.rounds, "final": self.final(), **self.extra,
+                "server_state": {"node_to_client": {str(k): v for k, v in
+                                                    self.strategy.nodes.node_to_client.items()},
+                                 **self.strategy.state_tables()}}
+
+    def write(self) -> None:
+        write_json(self.path, self.payload())
+
+    def missing_evaluation(self) -> str | None:
+        """Why the run cannot count as completed although every round ran: its last round
+        has no accuracy (every evaluation reply was dropped); None when it has one, or when
+        the run asked for no evaluation (``fraction-evaluate = 0``)."""
+        last = self.rounds[-1] if self.rounds else {}
+        if self.settings.fraction_evaluate == 0 or "accuracy_weighted" in last.get("eval", {}):
+            return None
+        drops = sorted({d["reason"] for d in last.get("dropped", [])})
+        return (f"round {last.get('round', 0)}: no client's evaluation arrived"
+                + (f" ({len(last.get('dropped', []))} dropped: {'; '.join(drops)[:300]})"
+                   if drops else ""))
+
+    def fail(self, reason: str, through_round: int) -> None:
+        """The run stopped: results.json keeps the rounds done, the ones not written yet
+        through ``through_round`` included (a round whose evaluation was still to come, the
+        round that failed, with its dropped replies), with ``status`` failed and the
+        one-line ``reason``."""
+        for server_round in range(self.last_round + 1, through_round + 1):
+            record = self.strategy.history.get(server_round, RoundRecord())
+            self.rounds.append(record.entry(server_round, time.monotonic() - self._t_round))
+        self.status, self.reason = "failed", reason
+        self.write()
+        log(ERROR, "[failed] %s", reason)
+
+    def finish(self, extra: dict[str, Any] | None = None) -> None:
+        """Final write (with ``extra``: the strategy's after-training results, and the
+        status: completed), plot, and the per-client table in the terminal."""
+        self.extra.update(extra or {})
+        self.status = "completed"
+        self.write()
+        if self.settings.plot and self.rounds:
+            plot_results(self.payload(), self.out_dir / "results.png")
+        final = self.final()
+        log(INFO, "[final] %s: accuracy weighted %s mean %s std %s min %s | "
+            "%.2f MB up, %.2f MB down | %.1f s", self.settings.method,
+            _fmt(final["accuracy_weighted"]), _fmt(final["accuracy_mean"]),
+            _fmt(final["accuracy_std"]), _fmt(final["accuracy_min"]),
+            final["bytes_up_total"] / MB, final["bytes_down_total"] / MB,
+            final["seconds_total"])
+        per_client = next((r["eval"]["per_client"] for r in reversed(self.rounds)
+                           if "eval" in r), {})
+        log(INFO, "[final] %-12s %s", "client", "accuracy")
+        for client_id, accuracy in per_client.items():
+            log(INFO, "[final] %-12s %.4f", client_id, accuracy)
+        log(INFO, "[final] results written to %s", self.path)
+
+
+def _fmt(value: float | None) -> str:
+    return "  -   " if value is None else f"{value:.4f}"
+
+
+def plot_results(results: dict[str, Any], path: Path) -> None:
+    """Personalized accuracy (weighted and min) and cumulative MB per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [r for r in results["rounds"] if "eval" in r]
+    fig, (ax_acc, ax_bytes) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [r["round"] for r in rounds]
+    ax_acc.plot(xs, [r["eval"]["accuracy_weighted"] for r in rounds], label="weighted")
+    ax_acc.plot(xs, [r["eval"]["accuracy_min"] for r in rounds], label="min client")
+    ax_acc.set(xlabel="round", ylabel="personalized accuracy", title=results["method"])
+    ax_acc.legend()
+    all_rounds = results["rounds"]
+    up, down, cum_up, cum_down = 0.0, 0.0, [], []
+    for r in all_rounds:
+        up += r.get("bytes_up", 0) / MB
+        down += r.get("bytes_down", 0) / MB
+        cum_up.append(up)
+        cum_down.append(down)
+    ax_bytes.plot([r["round"] for r in all_rounds], cum_up, label="up")
+    ax_bytes.plot([r["round"] for r in all_rounds], cum_down, label="down")
+    ax_bytes.set(xlabel="round", ylabel="cumulative MB")
+    ax_bytes.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+

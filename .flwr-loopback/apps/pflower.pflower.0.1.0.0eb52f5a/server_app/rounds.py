@@ -1,0 +1,120 @@
+"""The round loop, with a checkpoint after every round and resume from one.
+
+Flower's ``Strategy.start`` always begins at round 1; resuming needs the true round numbers
+(clients seed their training with them), so the ServerApp runs the loop itself: the
+strategy's ``train_round`` then ``evaluate_round``, then results.json and the checkpoint.
+
+The checkpoint (``<output-dir>/checkpoint.npz``, written with ``common.durable.save_tree``:
+arrays and JSON only, ``fsync``ed, atomic) holds the round number, the method and the run
+config it was made with, the ids of the runs it continues (its lineage: a resumed run's
+clients accept personal state saved by those runs, up to the checkpoint's round), the shared
+arrays, the strategy's per-client tables (``Strategy.checkpoint_state``), the rounds of
+results.json and the sampler's random state. Loading it runs no code. A resume whose run
+config differs from the checkpoint's in a key outside ``RESUMABLE_KEYS`` is refused with one
+line naming the keys.
+"""
+
+from __future__ import annotations
+
+import random
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Array, ArrayRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from common.config import ConfigError
+from common.durable import load_tree, save_tree
+from server_app.results import ResultsRecorder
+from strategies.personalized import PersonalizedStrategy
+
+CHECKPOINT = "checkpoint.npz"
+# Keys a resumed run may change: how long it runs, where it writes, how long it waits, and
+# the server's trust settings (an operator may tighten them). Any other difference (method,
+# model, dataset, partitioning, seed, training) is refused.
+RESUMABLE_KEYS = frozenset({
+    "num-server-rounds", "output-dir", "resume-from", "round-timeout", "min-nodes", "plot",
+    "device", "data-cache", "max-in-flight", "identity.node-owners",
+    "identity.require-registered",
+    "identity.max-clients", "identity.expire-rounds", "aggregation.rule",
+    "aggregation.trim-fraction", "aggregation.clip-norm", "aggregation.max-num-examples"})
+
+
+def save_checkpoint(path: Path, server_round: int, arrays: ArrayRecord,
+                    strategy: PersonalizedStrategy, recorder: ResultsRecorder,
+                    run_ids: list[str]) -> None:
+    save_tree(path, {
+        "round": server_round, "method": strategy.settings.method,
+        "config": dict(strategy.settings.raw), "run_ids": run_ids,
+        "arrays": {k: v.numpy() for k, v in arrays.items()},
+        "strategy": strategy.checkpoint_state(), "rounds": recorder.rounds,
+        "pending_evaluation": strategy.pending_state(server_round),
+        "random": random.getstate()})
+
+
+def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / CHECKPOINT
+    if not path.exists():
+        older = " (a checkpoint.pkl of an older version is not loaded: a pickle can run code)"
+        raise FileNotFoundError(f"resume-from: no {CHECKPOINT} in {run_dir}"
+                                f"{older if (Path(run_dir) / 'checkpoint.pkl').exists() else ''}")
+    return load_tree(path)
+
+
+def check_resumable(checkpoint: dict[str, Any], run_config: dict[str, Any]) -> None:
+    """Refuse to continue a checkpoint made with another method or run config (keys outside
+    ``RESUMABLE_KEYS``): one ``ConfigError`` line naming the differing keys."""
+    saved = dict(checkpoint.get("config", {}))
+    saved.setdefault("method", checkpoint.get("method"))
+    differing = sorted(k for k in set(saved) | set(run_config)
+                       if k not in RESUMABLE_KEYS and saved.get(k) != run_config.get(k))
+    if differing:
+        changes = ", ".join(f"{k} ({saved.get(k)!r} -> {run_config.get(k)!r})"
+                            for k in differing)
+        raise ConfigError(f"resume-from: the checkpoint was made with a different run "
+                          f"config: {changes}")
+
+
+def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
+           recorder: ResultsRecorder) -> tuple[int, ArrayRecord]:
+    """Restore a checkpoint; returns (first round to run, shared arrays)."""
+    strategy.restore_state(checkpoint["strategy"])
+    strategy.restore_pending(checkpoint.get("pending_evaluation"))
+    recorder.rounds = list(checkpoint["rounds"])
+    version, state, gauss = checkpoint["random"]
+    random.setstate((version, tuple(state), gauss))
+    arrays = ArrayRecord({k: Array(v) for k, v in checkpoint["arrays"].items()})
+    log(INFO, "[resume] from round %d", checkpoint["round"])
+    return checkpoint["round"] + 1, arrays
+
+
+def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsRecorder,
+               arrays: ArrayRecord, first_round: int, last_round: int,
+               run_ids: list[str]) -> ArrayRecord:
+    fused = strategy.settings.fused_evaluation
+    recorder.start()  # starts the round clock, writes results.json
+    for server_round in range(first_round, last_round + 1):
+        # with fused evaluation, round r's exchange also evaluates round r - 1: say so, so
+        # that the accuracy lines that follow read in order
+        evaluating = (f", evaluating round {server_round - 1}"
+                      if fused and server_round - 1 > recorder.last_round else "")
+        log(INFO, "[round %d/%d] training%s", server_round, last_round, evaluating)
+        updated = strategy.train_round(grid, server_round, arrays)
+        if updated is not None:
+            arrays = updated
+        if not fused:
+            strategy.evaluate_round(grid, server_round, arrays)
+            recorder.on_round(server_round)
+        elif server_round - 1 > recorder.last_round:  # its evaluation came with this exchange
+            recorder.on_round(server_round - 1)
+        save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
+                        recorder, run_ids)
+    if fused:  # the last round's evaluation: its own exchange
+        log(INFO, "[round %d/%d] evaluating", last_round, last_round)
+        strategy.evaluate_round(grid, last_round, arrays)
+        recorder.on_round(last_round)
+        save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, strategy,
+                        recorder, run_ids)
+    return arrays

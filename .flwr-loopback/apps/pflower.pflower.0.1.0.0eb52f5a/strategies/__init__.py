@@ -1,0 +1,1 @@
+"""Server-side strategies, one file per method, and the method registry."""

@@ -1,0 +1,16 @@
+"""Factorized-FL: similarity-matched, per-client aggregation of the rank-1 factors.
+
+Home: ``spec.py`` (settings; what travels: ``u`` and the matching vector), ``server.py``
+(similarity matching, one weighted average per client), ``client.py`` (local rule with the
+L1 penalty on ``mu``), ``models/factorized_fl.py`` (the factorization).
+"""
+
+from models.factorized_fl import factorize
+from strategies.factorized_fl.client import train_factorized_fl
+from strategies.factorized_fl.server import FactorizedFLStrategy
+from strategies.factorized_fl.spec import FactorizedFLSettings, FactorsShared
+from strategies.method import Method
+
+METHOD = Method("factorized-fl", wire=FactorsShared, strategy=FactorizedFLStrategy,
+                local_train=train_factorized_fl, settings=FactorizedFLSettings,
+                transform=lambda model, settings: factorize(model))

@@ -1,0 +1,133 @@
+"""Factorized-FL's server rule.
+
+Per round, from one snapshot (this round's replies merged into each client's latest upload,
+so absent clients still count and reply order does not matter): ``sigma_ik`` = cosine
+similarity of the matching vectors of every pair of known clients; client ``k``'s weights are
+``softmax(epsilon * sigma_ik)`` over the clients with ``sigma_ik >= tau`` (itself always
+included, with ``sigma_kk = 1``, i.e. weight ``exp(epsilon)`` before normalising); client ``k``
+receives its own weighted average of every shared array. A client never seen gets the plain
+example-weighted average of the round's replies. The similarity and weight matrices of each
+round are in ``results.json`` (``rounds[].similarity``: client ids and matrices; above
+``MATRIX_IN_RESULTS`` clients a summary: mean off-diagonal similarity and mean number of
+clients each average is taken over).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+from common.config import RunSettings
+from common.protocol import ClientReply, client_order
+from strategies.factorized_fl.spec import FactorsShared
+from strategies.personalized import PersonalizedStrategy
+
+
+def cosine_similarity(vectors: np.ndarray) -> np.ndarray:
+    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return unit @ unit.T
+
+
+def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float
+                     ) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(client ids, similarity matrix, weight matrix): row ``k`` holds client ``k``'s
+    aggregation weights over all clients (zero where ``sigma_ik < tau``)."""
+    clients = sorted(vectors, key=client_order)
+    similarity = cosine_similarity(np.stack([vectors[c].ravel() for c in clients]))
+    np.fill_diagonal(similarity, 1.0)
+    allowed = similarity >= tau
+    np.fill_diagonal(allowed, True)
+    logits = np.where(allowed, epsilon * similarity, -np.inf)
+    logits -= logits.max(axis=1, keepdims=True)
+    weights = np.exp(logits)
+    return clients, similarity, weights / weights.sum(axis=1, keepdims=True)
+
+
+# Up to this many known clients a round's entry in results.json holds the whole similarity
+# and weight matrices; above it (they grow as the square of the clients) a summary.
+MATRIX_IN_RESULTS = 100
+
+
+class FactorizedFLStrategy(PersonalizedStrategy):
+    """Per round the similarities and weights of all known clients (one matrix product), but
+    a client's weighted average only when it is sent to that client (``downlink``): with 1,000
+    clients and ``fraction-train = 0.1`` that is 100 rows of work instead of 1,000, and no
+    table of personal models. Every average is taken over the same snapshot as before
+    (``latest`` changes only in ``aggregate_shared``), so what a client receives is the same."""
+
+    checkpointed = (*PersonalizedStrategy.checkpointed, "latest")
+    client_tables = (*PersonalizedStrategy.client_tables, "latest")
+    wire: FactorsShared
+
+    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
+                 wire: FactorsShared) -> None:
+        super().__init__(settings, initial_arrays, wire)
+        self.match_key = wire.match_key
+        self.tau = settings.method_settings.tau
+        self.epsilon = settings.method_settings.epsilon
+        self.latest: dict[str, dict[str, np.ndarray]] = {}
+        self._snapshot: tuple[dict[str, int], np.ndarray] | None = None  # rows, weights
+        self._stacked: dict[str, np.ndarray] = {}  # key -> (clients, size), this snapshot
+        self._personal: dict[str, ArrayRecord] = {}  # downlinks built from this snapshot
+
+    def aggregate_shared(self, server_round: int, replies: list[ClientReply],
+                         arrays: ArrayRecord) -> ArrayRecord:
+        for reply in replies:
+            self.latest[reply.client_id] = {k: reply.arrays[k].numpy() for k in reply.arrays}
+        clients, similarity, weights = self._match()
+        if len(clients) <= MATRIX_IN_RESULTS:
+            report: dict[str, Any] = {"clients": clients,
+                                      "matrix": similarity.round(4).tolist(),
+                                      "weights": weights.round(4).tolist()}
+        else:
+            off = similarity[~np.eye(len(clients), dtype=bool)]
+            report = {"num_clients": len(clients), "mean": round(float(off.mean()), 4),
+                      "neighbours_mean": float((weights > 0).sum(axis=1).mean())}
+        self.report(server_round, "similarity", report)
+        return self.aggregate_keys(replies, list(self.shared_spec), arrays)  # new clients
+
+    def _match(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Similarities and weights of the current snapshot; forgets the downlinks built from
+        the previous one."""
+        clients, similarity, weights = matching_weights(
+            {c: u[self.match_key] for c, u in self.latest.items()}, self.tau, self.epsilon)
+        self._snapshot = ({c: i for i, c in enumerate(clients)}, weights)
+        self._stacked, self._personal = {}, {}
+        return clients, similarity, weights
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        super().restore_state(state)
+        if self.latest:
+            self._match()
+
+    def forget_expired(self, server_round: int) -> None:
+        known = len(self.latest)
+        super().forget_expired(server_round)
+        if len(self.latest) != known:  # an expired client leaves the snapshot
+            if self.latest:
+                self._match()
+            else:
+                self._snapshot = None
+
+    def downlink(self, server_round: int, client_id: str | None,
+                 arrays: ArrayRecord) -> ArrayRecord:
+        if self._snapshot is None or client_id not in self._snapshot[0]:
+            return arrays  # not seen yet: the example-weighted average
+        if client_id not in self._personal:
+            rows, weights = self._snapshot
+            order = list(rows)
+            row = weights[rows[client_id]]
+            for name in self.shared_spec:
+                if name not in self._stacked:
+                    self._stacked[name] = np.stack([self.latest[c][name].astype(np.float64)
+                                                    .ravel() for c in order])
+            own = self.latest[client_id]
+            self._personal[client_id] = ArrayRecord({name: Array(
+                (row @ self._stacked[name]).reshape(own[name].shape).astype(own[name].dtype))
+                for name in self.shared_spec})
+        return self._personal[client_id]
+
+    def state_tables(self) -> dict[str, Any]:
+        return {"factorized-fl": {"known_clients": sorted(self.latest, key=client_order)}}

@@ -1,0 +1,40 @@
+"""FedDecomp's settings and wire spec.
+
+Shared: every state-dict entry except the factors ``lora_A``/``lora_B`` and BatchNorm's batch
+counters, i.e. exactly FedAvg's keys and bytes (``sigma`` keeps the original weight names):
+``sigma`` of every Linear/Conv2d, their biases, and BatchNorm affine parameters and running
+statistics (as in the paper's code; ``feddecomp.bn-stats = "personal"`` keeps the running
+statistics on the client). ``tau``'s factors never leave the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from common.config import KeyGroup, RunSettings, at_most_local_epochs, key
+from models.feddecomp import is_personal_key
+from strategies.wire import WireSpec, state_keys
+
+
+@dataclass(frozen=True)
+class FedDecompSettings(KeyGroup):
+    rank_conv: float = key("feddecomp.rank-conv", low=0, high=1, low_open=True)
+    rank_linear: float = key("feddecomp.rank-linear", low=0, high=1, low_open=True)
+    lora_epochs: int = key("feddecomp.lora-epochs")
+    weighting: str = key("feddecomp.weighting", choices=("uniform", "examples"))
+    tau_scale: str = key("feddecomp.tau-scale", choices=("none", "inverse-rank"))
+    bn_stats: str = key("feddecomp.bn-stats", choices=("shared", "personal"))
+
+
+def check(settings: RunSettings, model: nn.Module) -> None:
+    at_most_local_epochs("feddecomp.lora-epochs", settings.method_settings.lora_epochs,
+                         settings.local_epochs)
+
+
+class SigmaShared(WireSpec):
+    def select_shared(self, model: nn.Module) -> list[str]:
+        personal_stats = self.settings.method_settings.bn_stats == "personal"
+        return [k for k in state_keys(model) if not is_personal_key(k)
+                and not (personal_stats and "running_" in k)]

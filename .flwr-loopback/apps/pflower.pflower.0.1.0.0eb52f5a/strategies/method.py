@@ -1,0 +1,90 @@
+"""What a method is made of (contracts §7): the ``Method`` record.
+
+A method's home is ``strategies/<method>/`` (or ``strategies/baselines.py`` for the six
+baselines) plus its model transform in ``models/<method>.py``:
+
+- ``spec.py``: its settings (a ``KeyGroup`` of its run-config keys) and its wire spec (a
+  ``WireSpec``: what goes down and up, used by both sides);
+- ``server.py``: its strategy (a ``PersonalizedStrategy`` overriding the hooks listed there);
+- ``client.py``: its local training rule (``LocalTraining -> float``) and the answers to its
+  own server queries (``actions``);
+- ``__init__.py``: the ``Method`` record below, which ``strategies/registry.py`` lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from flwr.app import ArrayRecord
+from torch import nn
+from torch.utils.data import DataLoader
+
+from common.config import KeyGroup, RunSettings
+from fldata import ClientData, dataset_shape, default_model
+from models import build_backbone
+from strategies.personalized import PersonalizedStrategy
+from strategies.training import LocalTraining, train_everything
+from strategies.wire import WireSpec
+
+
+def keep_model(model: nn.Module, settings: RunSettings) -> nn.Module:
+    return model
+
+
+def no_checks(settings: RunSettings, model: nn.Module) -> None:
+    return None
+
+
+class ClientSide(Protocol):
+    """What a method's query handler (``Method.actions``) may use of the client it runs on
+    (``client_app/runtime.py: Client``)."""
+
+    settings: RunSettings
+    wire: WireSpec
+    device: torch.device
+
+    @property
+    def data(self) -> ClientData: ...
+
+    def model(self, received: ArrayRecord) -> nn.Module: ...
+
+    def loader(self, train: bool, server_round: int = 0) -> DataLoader: ...
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method's pieces.
+
+    ``settings``: its run-config keys (parsed into ``RunSettings.method_settings``);
+    ``wire``: its wire spec class; ``strategy``: its server rule; ``local_train``: its client
+    rule; ``transform``: its model transform (applied to the seeded backbone); ``check``: rules
+    across keys (e.g. a phase that must fit in ``local-epochs``), given the model built on the
+    ``meta`` device (no memory, no data); ``actions``: answers to the
+    server's ``query`` messages (``action`` name -> ``handler(client, message) ->
+    RecordDict``); ``fine_tune``: a rule that trains a copy of the received model on the
+    client's train split before each personalized evaluation (FedAvg-FT; nothing of it is sent,
+    and training starts from the received model, not from the copy)."""
+
+    name: str
+    wire: type[WireSpec] = WireSpec
+    strategy: type[PersonalizedStrategy] = PersonalizedStrategy
+    local_train: Callable[[LocalTraining], float] = train_everything
+    settings: type[KeyGroup] | None = None
+    transform: Callable[[nn.Module, RunSettings], nn.Module] = keep_model
+    check: Callable[[RunSettings, nn.Module], None] = no_checks
+    actions: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    fine_tune: Callable[[LocalTraining], float] | None = None
+
+    def build_model(self, settings: RunSettings) -> nn.Module:
+        """The run's model, identical on the server and on every client (seeded init)."""
+        input_shape, num_classes = dataset_shape(settings)
+        torch.manual_seed(settings.seed)
+        backbone = build_backbone(default_model(settings), input_shape, num_classes,
+                                  settings.mlp_hidden)
+        return self.transform(backbone, settings)
+
+    def build_wire(self, settings: RunSettings) -> WireSpec:
+        return self.wire(self.build_model(settings), settings)

@@ -1,0 +1,189 @@
+"""Sending a batch of messages and reading the replies: the one validation path.
+
+``exchange`` sends and waits, and maps every reply to the node it answers for (errors made by
+the SuperLink come from node 1, so replies are matched through the ids of the messages sent).
+``valid_replies`` checks each reply's envelope (``common.protocol.parse_reply``) and, where
+arrays are expected, their keys, shapes, dtypes and values against the method's wire spec; a
+reply that fails is dropped with its reason (log and ``dropped`` in results.json), a node that
+did not reply in time likewise, and the round goes on with the rest, unless every reply failed
+in the same way (``stop_if_every_reply_failed``): then the run stops with that reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flwr.app import ArrayRecord, Message, MessageType
+from flwr.serverapp import Grid
+
+from common.protocol import (
+    ArraySpec,
+    ClientReply,
+    ReplyError,
+    check_arrays,
+    claimed_client_id,
+    client_order,
+    parse_reply,
+    shared_failure,
+    shown,
+)
+from strategies.personalized.accounting import RoundLedger
+from strategies.personalized.identity import NodeDirectory
+
+POLL_SECONDS = 0.2
+
+
+class RunFailedError(RuntimeError):
+    """The run cannot do its job (one line: why); the ServerApp records it and fails.
+    ``through_round``: the last round whose work results.json shows (0: none)."""
+
+    def __init__(self, reason: str, through_round: int) -> None:
+        super().__init__(reason)
+        self.through_round = through_round
+
+
+@dataclass
+class Exchange:
+    """One batch: the messages sent and the replies that came back, each with its node."""
+
+    sent: list[Message]
+    replies: list[tuple[int, Message]]
+
+    def by_type(self) -> dict[str, Exchange]:
+        """The batch split by message type (``train`` / ``evaluate``), each reply with the
+        message it answers."""
+        type_of = {m.metadata.dst_node_id: m.metadata.message_type for m in self.sent}
+        return {kind: Exchange([m for m in self.sent if m.metadata.message_type == kind],
+                               [(n, r) for n, r in self.replies if type_of.get(n) == kind])
+                for kind in (MessageType.TRAIN, MessageType.EVALUATE)}
+
+    def missing(self) -> list[int]:
+        """Nodes that were sent a message and did not reply in time."""
+        answered = {node for node, _ in self.replies}
+        return [m.metadata.dst_node_id for m in self.sent
+                if m.metadata.dst_node_id not in answered]
+
+
+def exchange(grid: Grid, messages: list[Message], timeout: float,
+             in_flight: int = 100) -> Exchange:
+    """Send ``messages`` and collect their replies until all are in or ``timeout`` seconds
+    have passed, looking every ``POLL_SECONDS`` (Flower's ``send_and_receive`` looks every
+    3 s in a deployment, so each exchange would end on a 3 s boundary).
+
+    At most ``in_flight`` messages (``max-in-flight``) wait for a reply at a time; the next go
+    out as replies come in. Flower 1.41's simulation scans every stored message for every node
+    ten times a second (``InMemoryLinkState.get_message_ins``), so 1,000 messages pushed at
+    once to 1,000 nodes cost it about a million checks a pass; a bounded window keeps that
+    linear in the nodes."""
+    if not messages:
+        return Exchange([], [])
+    waiting = list(messages)
+    pending: set[str] = set()
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    while True:
+        if waiting and len(pending) < in_flight:
+            room = in_flight - len(pending)
+            batch, waiting = waiting[:room], waiting[room:]
+            pending.update(grid.push_messages(batch))  # the Grid fills in the message ids
+        arrived = list(grid.pull_messages(pending))
+        replies += arrived
+        pending.difference_update(r.metadata.reply_to_message_id for r in arrived)
+        if (not pending and not waiting) or time.monotonic() >= deadline:
+            break
+        if not arrived or not waiting:
+            time.sleep(min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+    destination = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+    return Exchange(messages, [(destination.get(r.metadata.reply_to_message_id,
+                                                r.metadata.src_node_id), r) for r in replies])
+
+
+def stop_if_every_reply_failed(exchange_name: str, through_round: int, batch: Exchange,
+                               min_nodes: int) -> None:
+    """Raise ``RunFailedError`` when every reply of ``batch`` is the same failure of the ClientApp
+    (``common.protocol.shared_failure``: a bad config, data missing everywhere, a bug): going
+    on would only repeat it. At least ``min_nodes`` (the fewest a round needs) must have
+    replied so, so that one broken or hostile site never stops a run; fewer failures, and
+    nodes that do not reply at all, are dropped replies like any other. ``exchange_name``
+    says which exchange in the reason; ``through_round`` is the error's."""
+    replies = [reply for _, reply in batch.replies]
+    if len(replies) < min_nodes:
+        return
+    reason = shared_failure(replies)
+    if reason is not None:
+        raise RunFailedError(f"{exchange_name}: all {len(replies)} clients that replied "
+                             f"failed: {reason}", through_round)
+
+
+def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
+                  batch: Exchange, metric_keys: tuple[str, ...] | None, timeout: float,
+                  expected_arrays: Callable[[ClientReply], ArraySpec] | None = None,
+                  max_examples: int | None = None, read_arrays: bool = True
+                  ) -> list[ClientReply]:
+    """The replies of ``batch`` that pass every check, in client order (reply order is
+    arbitrary; a fixed order makes float sums, and runs, reproducible). Train replies' bytes
+    are counted whether or not they pass.
+
+    Every exchange goes through here (train, evaluate, identify, a method's queries):
+    ``metric_keys`` None for a query (no metrics needed), ``expected_arrays`` the arrays the
+    reply must carry (None: it must carry none; ``read_arrays`` False: they are not read, for
+    the evaluation a train reply carries). Any exception while reading one reply drops
+    that reply, with its reason, and the rest go on; a reply whose client id its node may not
+    speak for (``NodeDirectory.claim``) is dropped likewise."""
+    missing = batch.missing()
+    nodes.missed(missing)
+    for node_id in missing:
+        ledger.drop(server_round, stage, node_id, nodes.client_of(node_id) or "?",
+                    f"no reply within round-timeout ({timeout:.0f} s)")
+    nodes.answered(node for node, _ in batch.replies)
+    read: list[tuple[int, Message, ClientReply | Exception]] = []
+    for node_id, reply in batch.replies:
+        if stage == "train":
+            ledger.uplink(server_round, reply)
+        try:
+            read.append((node_id, reply, read_reply(node_id, reply, metric_keys,
+                                                    expected_arrays, max_examples,
+                                                    read_arrays)))
+        except Exception as error:  # whatever one reply holds, the round goes on
+            read.append((node_id, reply, error))
+    contested = nodes.contested([(n, r.client_id) for n, _, r in read
+                                 if isinstance(r, ClientReply)])
+    valid = []
+    for node_id, reply, checked in read:
+        try:
+            if isinstance(checked, Exception):
+                raise checked
+            if checked.client_id in contested:
+                raise ReplyError(f"client id {checked.client_id} is claimed by several nodes "
+                                 "at once, none of which holds it")
+            refused = nodes.claim(node_id, checked.client_id, server_round)
+            if refused is not None:
+                raise ReplyError(refused)
+        except Exception as error:
+            claimed = claimed_client_id(reply)
+            client_id = nodes.client_of(node_id) or (shown(claimed) if claimed else "?")
+            reason = (str(error) if isinstance(error, ReplyError)
+                      else f"{type(error).__name__}: {shown(str(error), 200)}")
+            ledger.drop(server_round, stage, node_id, client_id, reason)
+            continue
+        valid.append(checked)
+    return sorted(valid, key=lambda r: client_order(r.client_id))
+
+
+def read_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
+               expected_arrays: Callable[[ClientReply], ArraySpec] | None,
+               max_examples: int | None, read_arrays: bool = True) -> ClientReply:
+    """One reply checked: its envelope (``parse_reply``), then its arrays against what the
+    method expects of it (the decoded, checked values replace the received ones; with
+    ``read_arrays`` False they are left out unread)."""
+    checked = parse_reply(node_id, reply, metric_keys, max_examples)
+    checked.arrays = (check_arrays(checked.arrays, expected_arrays(checked)
+                                   if expected_arrays is not None else {})
+                      if read_arrays else ArrayRecord())
+    return checked
+
+
+__all__ = ["Exchange", "ReplyError", "RunFailedError", "exchange", "stop_if_every_reply_failed",
+           "valid_replies"]

@@ -1,0 +1,81 @@
+"""pFedC's server rule.
+
+Per round: ``phi <- sum_i (D_i / D) phi_i`` over the replies (eq. 6); for each task ``t``,
+``omega^t <- sum_n w_n^t omega_n^t / sum_n w_n^t`` over every client ``n`` known to hold ``t``
+(latest branches, so clients not sampled this round still count), with ``w_n^t`` the task
+weights of the wire spec. ``pfedc.weighting = "uniform"`` (default): ``w_n^t = pi_n^t`` in
+{0, 1}, the masked mean of eq. 7 (``m_{i,n}^t = pi_i^t pi_n^t``): every holder counts once.
+``"counts"`` (an option, not the paper's rule): ``w_n^t`` = the client's examples of ``t``'s
+classes. Client ``i`` receives ``phi`` and ``omega^t`` for the tasks it holds (per-node
+downlink); its other branches stay its own, never touched by the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+from common.config import RunSettings
+from common.protocol import ClientReply
+from models.pfedc import branch_of_key
+from strategies.personalized import PersonalizedStrategy
+from strategies.pfedc.spec import HeldBranches
+
+
+def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
+                          task_weights: dict[str, list[float]],
+                          keys_of_task: dict[int, list[str]]) -> dict[str, np.ndarray]:
+    """Per task, the ``task_weights``-weighted mean of the branches of the clients that hold
+    it (weight > 0): eq. 7 when the weights are the 0/1 presence vectors (``uniform``).
+    Tasks nobody holds are absent from the result."""
+    averaged: dict[str, np.ndarray] = {}
+    for task, keys in keys_of_task.items():
+        holders = [(cid, w[task]) for cid, w in task_weights.items() if w[task] > 0]
+        if not holders:
+            continue
+        total = sum(w for _, w in holders)
+        for name in keys:
+            dtype = branches[holders[0][0]][name].dtype
+            averaged[name] = sum(branches[cid][name].astype(np.float64) * (w / total)
+                                 for cid, w in holders).astype(dtype)
+    return averaged
+
+
+class PFedCStrategy(PersonalizedStrategy):
+    checkpointed = (*PersonalizedStrategy.checkpointed, "task_weights", "branches")
+    client_tables = (*PersonalizedStrategy.client_tables, "task_weights", "branches")
+    wire: HeldBranches
+
+    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
+                 wire: HeldBranches) -> None:
+        super().__init__(settings, initial_arrays, wire)
+        self.keys_of_task = wire.keys_of_task
+        self.task_weights: dict[str, list[float]] = {}
+        self.branches: dict[str, dict[str, np.ndarray]] = {}
+
+    def aggregate_shared(self, server_round: int, replies: list[ClientReply],
+                         arrays: ArrayRecord) -> ArrayRecord:
+        phi_keys = self.wire.phi_keys
+        phi = self.aggregate_keys(replies, phi_keys, arrays)
+        for reply in replies:
+            self.task_weights[reply.client_id] = self.wire.task_weights(reply.info)
+            self.branches[reply.client_id] = {k: reply.arrays[k].numpy() for k in reply.arrays
+                                              if branch_of_key(k) is not None}
+        averaged = masked_branch_average(self.branches, self.task_weights, self.keys_of_task)
+        merged = {k: phi[k] for k in phi_keys}
+        for keys in self.keys_of_task.values():
+            for name in keys:  # a task nobody holds keeps its previous value
+                merged[name] = Array(averaged[name]) if name in averaged else arrays[name]
+        return ArrayRecord(merged)
+
+    def downlink(self, server_round: int, client_id: str | None,
+                 arrays: ArrayRecord) -> ArrayRecord:
+        weights = self.task_weights.get(client_id) if client_id is not None else None
+        if weights is None:
+            return arrays
+        return ArrayRecord({k: arrays[k] for k in self.wire.held_keys(list(arrays), weights)})
+
+    def state_tables(self) -> dict[str, Any]:
+        return {"pfedc": {"task_weights": self.task_weights}}
