@@ -29,6 +29,9 @@ from typing import Any
 import numpy as np
 
 FORMAT = 2  # bumped whenever the split rule changes: 2 keeps a test example back
+# The cache keeps the splits used last, up to this many bytes on disk (a new split beyond it
+# removes the ones unused the longest); empty it with `rm -rf ~/.cache/pflower/partitions`.
+MAX_CACHE_BYTES = 2 * 1024**3
 ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "dirichlet-alpha",
              "min-partition-size", "classes-per-client", "domain-groups", "seed", "test-fraction",
@@ -82,4 +85,29 @@ def cached_split(directory: Path, key: str,
             shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "complete").exists():  # could not store it: use it from memory
             return arrays
+        prune(directory, MAX_CACHE_BYTES, keep=target)
+    else:
+        with contextlib.suppress(OSError):  # its last use, for prune
+            os.utime(target / "complete")
     return {name: np.load(target / f"{name}.npy", mmap_mode="c") for name in ARRAYS}
+
+
+def prune(directory: Path, max_bytes: int, keep: Path | None = None) -> None:
+    """Remove the splits under ``directory`` unused the longest (their ``complete`` file's
+    time) until the rest fit in ``max_bytes``; ``keep`` stays. A process that still maps a
+    removed split keeps reading it (the files go once no one maps them)."""
+    entries, total = [], 0
+    for entry in directory.iterdir():
+        marker = entry / "complete"
+        with contextlib.suppress(OSError):  # a split another process removes meanwhile
+            if not marker.exists():
+                continue
+            size = sum(f.stat().st_size for f in entry.iterdir())
+            total += size
+            if entry != keep:
+                entries.append((marker.stat().st_mtime, size, entry))
+    for _, size, entry in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        shutil.rmtree(entry, ignore_errors=True)
+        total -= size

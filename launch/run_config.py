@@ -61,8 +61,9 @@ def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".") ->
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{name}: unknown key{hint} (the keys are "
                               "[tool.flwr.app.config] in pyproject.toml)")
-    settings = load_settings({**defaults, **overrides})
-    check_local_files(settings)
-    if settings.resume_from and not (Path(settings.resume_from) / CHECKPOINT).exists():
-        raise ConfigError(f"resume-from: no {CHECKPOINT} in {settings.resume_from}")
-    return settings
+    run_config = {**defaults, **overrides}
+    general = RunSettings.from_run_config(run_config)  # files first: the model reads them
+    check_local_files(general)
+    if general.resume_from and not (Path(general.resume_from) / CHECKPOINT).exists():
+        raise ConfigError(f"resume-from: no {CHECKPOINT} in {general.resume_from}")
+    return load_settings(run_config)

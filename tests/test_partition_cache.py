@@ -71,3 +71,25 @@ def test_a_changed_min_partition_size_is_a_new_split(tmp_path):
     assert _same(cached, _data(None, 10, **sparse, **{"min-partition-size": 30}))
     assert not _same(first, cached)
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_the_cache_keeps_the_splits_used_last_within_its_bound(tmp_path):
+    """A new split beyond the bound removes the splits unused the longest; a split read
+    again counts as used."""
+    import os
+
+    from fldata.cache import cached_split, prune
+
+    def split(value: int) -> dict[str, np.ndarray]:
+        return {name: np.full(1000, value, dtype=np.int64)  # 8,000 bytes each, 32,000 a split
+                for name in ("x_train", "y_train", "x_test", "y_test")}
+
+    for key in ("a", "b", "c"):
+        cached_split(tmp_path, key, lambda k=key: split(ord(k)))
+    for age, key in enumerate(("b", "a", "c")):  # last used: b, then a, then c
+        os.utime(tmp_path / key / "complete", (1000 + age, 1000 + age))
+    assert cached_split(tmp_path, "b", lambda: pytest.fail("b is stored"))["x_train"][0] == 98
+    prune(tmp_path, 70_000, keep=tmp_path / "c")  # room for two splits of 32,000 bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c"]  # a: unused the longest
+    prune(tmp_path, 0, keep=tmp_path / "c")
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # the one kept stays

@@ -1,1 +1,0 @@
-"""The ClientApp: one client's personalized training and evaluation."""

@@ -1,1 +1,0 @@
-"""Pieces both apps use: the run configuration, the message protocol and the round record."""

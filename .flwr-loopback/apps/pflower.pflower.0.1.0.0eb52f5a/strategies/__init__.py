@@ -1,1 +1,0 @@
-"""Server-side strategies, one file per method, and the method registry."""
