@@ -110,6 +110,11 @@ def main() -> None:
                 with LocalDeployment(args.sites, site_threads=0) as deployment:
                     rows[f"deployment, {label}, PyTorch's default threads"] = measure(
                         deployment, setting, Path(tmp) / "dep-default-threads")
+                # each SuperExec looks for new work every 0.2 s (the default here) or 1 s
+                # (Flower's default, FLWR_SUPEREXEC_TASK_POLL_INTERVAL)
+                with LocalDeployment(args.sites, poll_interval=1.0) as deployment:
+                    rows[f"deployment, {label}, SuperExec poll 1 s"] = measure(
+                        deployment, setting, Path(tmp) / "dep-poll-1s")
             with LocalFederation() as federation:
                 rows[f"simulation, {label}"] = measure(
                     federation, setting, Path(tmp) / f"sim-{fused}", num_supernodes=args.sites)

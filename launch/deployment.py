@@ -74,13 +74,16 @@ class LocalDeployment(LocalFederation):
     ``start_site``). ``site_threads``: the CPU threads each site's training may use
     (``OMP_NUM_THREADS`` of its SuperNode and the ClientApps it starts); default: this
     machine's cores shared out among the sites, as if each site were a machine of its own
-    (PyTorch would otherwise give every site all cores); 0 leaves PyTorch's default."""
+    (PyTorch would otherwise give every site all cores); 0 leaves PyTorch's default.
+    ``poll_interval``: how often each SuperExec looks for a message's work to start
+    (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``; Flower's default is 1 s)."""
 
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
                  home: str | Path | None = None, namespaces: bool = False,
                  supernode_auth: bool = False, node_names: dict[int, str] | None = None,
                  client_ids: dict[int, str] | None = None,
-                 start_sites: list[int] | None = None, site_threads: int | None = None) -> None:
+                 start_sites: list[int] | None = None, site_threads: int | None = None,
+                 poll_interval: float = 0.2) -> None:
         super().__init__(home)
         if supernode_auth and not certs_dir:
             raise ValueError("SuperNode authentication needs TLS (certs_dir)")
@@ -92,6 +95,7 @@ class LocalDeployment(LocalFederation):
         self.start_sites = list(range(num_sites)) if start_sites is None else start_sites
         self.site_threads = (max(1, (os.cpu_count() or 1) // num_sites)
                              if site_threads is None else site_threads)
+        self.poll_interval = poll_interval
         self.site_ports = [free_port() for _ in range(num_sites)]
         self.sites: dict[int, subprocess.Popen] = {}
         self.namespaces = namespaces
@@ -137,7 +141,8 @@ class LocalDeployment(LocalFederation):
         log = open(self.home / log_name, "ab")  # noqa: SIM115 (outlives this call)
         # the SuperExec a SuperNode starts looks for new work (each message's ClientApp)
         # every second by default
-        env = {**self.env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2", **(env or {})}
+        env = {**self.env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(self.poll_interval),
+               **(env or {})}
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
