@@ -102,16 +102,17 @@ def digits_pool() -> tuple[np.ndarray, np.ndarray]:
 
 def hub_unreachable(hub_id: str, timeout: float = 5.0) -> str | None:
     """Why the Hugging Face Hub cannot give this machine ``hub_id`` now (offline mode set, or
-    its host does not answer within ``timeout`` seconds), or None: reachable, or a copy is in
-    the local cache. Checked before loading: ``datasets`` retries an unreachable hub for
-    about 25 s before it fails."""
+    its host does not answer within ``timeout`` seconds), or None: reachable, a copy is in
+    the local cache, or ``hub_id`` is a local folder in the hub's layout. Checked before
+    loading: ``datasets`` retries an unreachable hub for about 25 s before it fails."""
     import socket
     from urllib.parse import urlparse
 
     from datasets import config
     from huggingface_hub import constants
 
-    if ((Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").exists()
+    if (Path(hub_id).exists()
+            or (Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").exists()
             or (Path(config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")).exists()):
         return None
     if constants.HF_HUB_OFFLINE:
