@@ -129,6 +129,12 @@ def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
               "this site is full")
     assert done.stderr.strip().splitlines()[-1].endswith(f"finished:failed: {reason}")
     assert "[round 4/6]" not in done.stdout
+    # the round lines read in order: round 2's exchange brings round 1's evaluation
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines)
+                  if "[round 2/6] training, evaluating round 1" in line)
+    assert "round 1: personalized accuracy" in lines[header + 1]
+    assert "changed from 10 to 2" not in done.stdout  # Flower's note does not hold here
     results = _results(out)
     assert (results["status"], results["reason"]) == ("failed", reason)
     # what was done is kept: rounds 1 and 2 trained (2's evaluation was to come with
