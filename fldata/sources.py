@@ -25,7 +25,7 @@ class SyntheticFedFac:
 
     It follows the idea of the FedFac paper's simulation (a one-hidden-layer teacher of which
     some hidden units are common to all clients) but is **not** the paper's generator (its
-    eq. 8). Issue #13 lists where it departs: Gaussian draws where the paper's are uniform,
+    eq. 8). Where it departs: Gaussian draws where the paper's are uniform,
     client-specific output weights where the paper fixes them, personal weights not drawn
     around the client mean, labels split at the median. Exactly what it draws, for client
     ``c`` with ``d = dim``, ``m = hidden``:
