@@ -146,7 +146,15 @@ class Client:
         (or its cached split reads; the partition is feasible) and the run's model builds and
         moves to its device. Whatever fails raises, and the identify reply says why."""
         self.data  # noqa: B018 (loading is the check)
-        self.method.build_model(self.settings).to(self.device)
+        self._seeded_model().to(self.device)
+
+    def _seeded_model(self) -> nn.Module:
+        """The run's seeded model; the wire spec comes from the first one this client
+        builds (so the identify reply that follows the preflight builds none)."""
+        model = self.method.build_model(self.settings)
+        if self._wire is None:
+            self._wire = self.method.wire(model, self.settings)
+        return model
 
     # -------------------------------------------------------------------- data
     @property
@@ -236,9 +244,7 @@ class Client:
               message_config: ConfigRecord | None = None) -> nn.Module:
         """The run's model with this client's personal state (see ``personal_state``), then
         the received shared arrays on top."""
-        model = self.method.build_model(self.settings)
-        if self._wire is None:
-            self._wire = self.method.wire(model, self.settings)
+        model = self._seeded_model()
         own = {**model.state_dict(), **self.personal_state(up_to_round, message_config)}
         model.load_state_dict(self.wire.merge_downlink(own, received.to_torch_state_dict()))
         return model.to(self.device)
