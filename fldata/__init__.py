@@ -205,7 +205,8 @@ def _hub_partition(settings: RunSettings, partition_id: int,
     info = DATASETS[settings.dataset]
     if (reason := hub_unreachable(info.hub_id)) is not None:
         # else each client would retry the hub for about 25 s before failing
-        where = (f"no IDX files in {' or '.join(map(str, search_dirs(settings.dataset, '')))}"
+        searched = search_dirs(settings.dataset, "", info.system_dir)
+        where = (f"no IDX files in {' or '.join(map(str, searched))}"
                  " (data-root names a folder of them), and " if info.idx else "")
         raise ConfigError(f"dataset: {settings.dataset} is not on this machine: {where}"
                           f"{info.hub_id} cannot be downloaded: {reason}")
