@@ -52,7 +52,7 @@ def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
             client.method.local_train(LocalTraining(
                 model, client.loader(True, server_round), settings, client.device, server_round))
             states.append(model.state_dict())
-            weights.append(len(client.data.y_train))
+            weights.append(len(client.data().y_train))
         total = sum(weights)
         global_state = {k: sum(s[k].float() * (w / total) for s, w in zip(states, weights,
                                                                           strict=True))

@@ -35,6 +35,7 @@ from common.protocol import (
     SERVER_ROUND,
     error_reason,
 )
+from common.seeds import Stream, derived_seed
 from strategies.training import LocalTraining
 
 app = ClientApp()
@@ -93,7 +94,7 @@ def train(msg: Message, context: Context) -> Message:
     phases.lap("setup")
     server_round = int(msg.content[CONFIG][SERVER_ROUND])
     received = msg.content[ARRAYS]
-    client.data  # noqa: B018 (load it here, so that the data phase is timed on its own)
+    client.data()  # loaded here, so that the data phase is timed on its own
     phases.lap("data")
     model = client.model(received, server_round - 1, msg.content[CONFIG])
     evaluation = {}
@@ -102,11 +103,12 @@ def train(msg: Message, context: Context) -> Message:
         eval_started = time.process_time()
         eval_loss, eval_accuracy = client.evaluate(model, server_round - 1)
         evaluation = {EVAL_ACCURACY: eval_accuracy, EVAL_LOSS: eval_loss,
-                      EVAL_EXAMPLES: len(client.data.y_test),
+                      EVAL_EXAMPLES: len(client.data().y_test),
                       EVAL_CPU: time.process_time() - eval_started}
         started += evaluation[EVAL_CPU]  # cpu-seconds: the training part only
         phases.lap("evaluate")
-    torch.manual_seed(client.settings.seed * 7919 + server_round * 31 + client.partition_id)
+    torch.manual_seed(derived_seed(client.settings.seed, server_round, client.partition_id,
+                                   Stream.TRAIN))
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
@@ -116,7 +118,7 @@ def train(msg: Message, context: Context) -> Message:
     client.keep_personal(model, received, shared, server_round)
     return Message(RecordDict({
         ARRAYS: shared,
-        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_train),
+        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train),
                                "train-loss": float(loss), **evaluation, **phases.metrics(),
                                "cpu-seconds": time.process_time() - started}),
         CLIENT: identity,
@@ -132,13 +134,13 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
     phases.lap("setup")
     received: ArrayRecord = msg.content[ARRAYS]
     config = msg.content[CONFIG]
-    client.data  # noqa: B018 (timed on its own)
+    client.data()  # timed on its own
     phases.lap("data")
     model = client.model(received, int(config[SERVER_ROUND]), config)
     loss, accuracy = client.evaluate(model, int(config[SERVER_ROUND]))
     phases.lap("evaluate")
     return Message(RecordDict({
-        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_test), "loss": loss,
+        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_test), "loss": loss,
                                "accuracy": accuracy, **phases.metrics(),
                                "cpu-seconds": time.process_time() - started}),
         CLIENT: client.identity(),

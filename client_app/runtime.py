@@ -6,12 +6,10 @@ import copy
 import json
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
@@ -29,6 +27,7 @@ from common.protocol import (
     identity_record,
     is_client_id,
 )
+from common.seeds import Stream, derived_seed
 from fldata import ClientData, load_client_data
 from fldata.cache import default_cache_dir
 from strategies.method import Method
@@ -67,8 +66,11 @@ def _settings(run_config_json: str) -> RunSettings:
     return load_settings(json.loads(run_config_json))
 
 
-def settings_of(run_config: Mapping[str, Any]) -> RunSettings:
-    return _settings(json.dumps(dict(run_config), sort_keys=True))
+@lru_cache(maxsize=4)
+def _wire_spec(run_config_json: str) -> WireSpec:
+    """The run's wire spec, once per process (built on the ``meta`` device: no weights)."""
+    settings = _settings(run_config_json)
+    return REGISTRY[settings.method].wire_spec(settings)
 
 
 @lru_cache(maxsize=4)
@@ -107,11 +109,13 @@ class Client:
     client_id: str
     partition_id: int
     device: torch.device
-    _wire: WireSpec | None = field(default=None, repr=False)
+    wire: WireSpec
+    run_config_json: str = field(repr=False)  # the key of this process's caches
 
     @classmethod
     def from_context(cls, context: Context) -> Client:
-        settings = settings_of(context.run_config)
+        run_config_json = json.dumps(dict(context.run_config), sort_keys=True)
+        settings = _settings(run_config_json)
         node = context.node_config
         if PARTITION_ID not in node or NUM_PARTITIONS not in node:
             raise ConfigError("node config: partition-id and num-partitions are required "
@@ -122,55 +126,41 @@ class Client:
             raise ConfigError(f"node config: client-id {client_id!r} is not a safe id "
                               f"(pattern {CLIENT_ID_PATTERN.pattern})")
         return cls(context, settings, REGISTRY[settings.method], client_id, partition_id,
-                   select_device(settings.device))
+                   select_device(settings.device), _wire_spec(run_config_json),
+                   run_config_json)
 
     @property
     def num_partitions(self) -> int:
         return int(self.context.node_config[NUM_PARTITIONS])
 
-    @property
-    def wire(self) -> WireSpec:
-        """The method's wire spec, built from the first model this client builds."""
-        if self._wire is None:
-            self._wire = self.method.wire(self.method.build_model(self.settings),
-                                          self.settings)
-        return self._wire
-
     def identity(self) -> ConfigRecord:
         """The ``client`` record of every reply: who this is, plus the method's entries."""
         return identity_record(self.client_id, self.partition_id, self.num_partitions,
-                               self.wire.client_info(self.data))
+                               self.wire.client_info(self.data()))
 
     def preflight(self) -> None:
         """Show, before any training, that this client can serve the run: its split loads
         (or its cached split reads; the partition is feasible) and the run's model builds and
         moves to its device. Whatever fails raises, and the identify reply says why."""
-        self.data  # noqa: B018 (loading is the check)
-        self._seeded_model().to(self.device)
-
-    def _seeded_model(self) -> nn.Module:
-        """The run's seeded model; the wire spec comes from the first one this client
-        builds (so the identify reply that follows the preflight builds none)."""
-        model = self.method.build_model(self.settings)
-        if self._wire is None:
-            self._wire = self.method.wire(model, self.settings)
-        return model
+        self.data()
+        self.method.build_model(self.settings).to(self.device)
 
     # -------------------------------------------------------------------- data
-    @property
     def data(self) -> ClientData:
+        """This client's split: loaded (or read from the partition cache) at the first call
+        in this process, then kept."""
         node = self.context.node_config
         data_dir = str(node["data-dir"]) if node.get("data-dir") else None
         state_dir = node.get("state-dir")
-        return _client_data(json.dumps(self.settings.raw, sort_keys=True), self.partition_id,
-                            self.num_partitions, data_dir, str(state_dir) if state_dir else None)
+        return _client_data(self.run_config_json, self.partition_id, self.num_partitions,
+                            data_dir, str(state_dir) if state_dir else None)
 
     def loader(self, train: bool, server_round: int = 0) -> DataLoader:
-        data = self.data
+        data = self.data()
         x, y = (data.x_train, data.y_train) if train else (data.x_test, data.y_test)
         dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
-        generator = torch.Generator().manual_seed(
-            self.settings.seed * 100_003 + server_round * 1009 + self.partition_id)
+        generator = torch.Generator().manual_seed(derived_seed(
+            self.settings.seed, server_round, self.partition_id, Stream.SHUFFLE))
         return DataLoader(dataset, batch_size=self.settings.batch_size, shuffle=train,
                           generator=generator, pin_memory=self.device.type == "cuda")
 
@@ -181,8 +171,8 @@ class Client:
         ``model`` itself is left as it was."""
         if self.method.fine_tune is not None:
             model = copy.deepcopy(model)
-            torch.manual_seed(self.settings.seed * 7919 + server_round * 31 + self.partition_id
-                              + 104_729)
+            torch.manual_seed(derived_seed(self.settings.seed, server_round, self.partition_id,
+                                           Stream.FINE_TUNE))
             self.method.fine_tune(LocalTraining(model, self.loader(True, server_round),
                                                 self.settings, self.device, server_round))
         return evaluate(model, self.loader(train=False), self.device)
@@ -244,7 +234,7 @@ class Client:
               message_config: ConfigRecord | None = None) -> nn.Module:
         """The run's model with this client's personal state (see ``personal_state``), then
         the received shared arrays on top."""
-        model = self._seeded_model()
+        model = self.method.build_model(self.settings)
         own = {**model.state_dict(), **self.personal_state(up_to_round, message_config)}
         model.load_state_dict(self.wire.merge_downlink(own, received.to_torch_state_dict()))
         return model.to(self.device)

@@ -6,33 +6,18 @@ from __future__ import annotations
 import random
 from logging import ERROR, INFO
 
-from flwr.app import ArrayRecord, Context
+from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from common.config import ConfigError, RunSettings
+from common.config import ConfigError
 from common.protocol import error_reason
 from server_app.results import ResultsRecorder, output_dir
 from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
 from strategies.personalized import RunFailedError
-from strategies.registry import REGISTRY, load_settings
-from strategies.wire import WireSpec
+from strategies.registry import REGISTRY, initial_state, load_settings
 
 app = ServerApp()
-
-
-def initial_shared_arrays(settings: RunSettings) -> ArrayRecord:
-    """The method's shared part of the seeded initial model (what round 1 sends)."""
-    return initial_state(settings)[0]
-
-
-def initial_state(settings: RunSettings) -> tuple[ArrayRecord, WireSpec]:
-    """(the shared part of the seeded initial model, the method's wire spec)."""
-    method = REGISTRY[settings.method]
-    model = method.build_model(settings)
-    wire = method.wire(model, settings)
-    state = model.state_dict()
-    return ArrayRecord({k: state[k] for k in wire.shared_keys}), wire
 
 
 @app.main()

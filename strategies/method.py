@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from flwr.app import ArrayRecord
@@ -28,6 +28,11 @@ from models import build_backbone
 from strategies.personalized import PersonalizedStrategy
 from strategies.training import LocalTraining, train_everything
 from strategies.wire import WireSpec
+
+
+class InitialState(NamedTuple):
+    arrays: ArrayRecord  # the shared arrays round 1 sends
+    wire: WireSpec
 
 
 def keep_model(model: nn.Module, settings: RunSettings) -> nn.Module:
@@ -46,7 +51,6 @@ class ClientSide(Protocol):
     wire: WireSpec
     device: torch.device
 
-    @property
     def data(self) -> ClientData: ...
 
     def model(self, received: ArrayRecord) -> nn.Module: ...
@@ -86,5 +90,18 @@ class Method:
                                   settings.mlp_hidden)
         return self.transform(backbone, settings)
 
-    def build_wire(self, settings: RunSettings) -> WireSpec:
-        return self.wire(self.build_model(settings), settings)
+    def wire_spec(self, settings: RunSettings, model: nn.Module | None = None) -> WireSpec:
+        """The run's wire spec, from ``model`` or, without one, from the model built on the
+        ``meta`` device (a wire spec needs the model's structure, not its weights)."""
+        if model is None:
+            with torch.device("meta"):
+                model = self.build_model(settings)
+        return self.wire(model, settings)
+
+    def initial_state(self, settings: RunSettings) -> InitialState:
+        """What the server starts from: the shared part of the seeded model (built once)
+        and the wire spec."""
+        model = self.build_model(settings)
+        wire = self.wire_spec(settings, model)
+        state = model.state_dict()
+        return InitialState(ArrayRecord({k: state[k] for k in wire.shared_keys}), wire)

@@ -17,7 +17,7 @@ from common.config import RunSettings, one_of
 from fldata import check_dataset
 from models import check_backbone
 from strategies import baselines, factorized_fl, feddecomp, fedfac, pfedc
-from strategies.method import Method
+from strategies.method import InitialState, Method
 from strategies.wire import WireSpec
 
 METHODS: list[Method] = [
@@ -54,6 +54,11 @@ def build_model(settings: RunSettings) -> nn.Module:
     return REGISTRY[settings.method].build_model(settings)
 
 
-def build_wire(settings: RunSettings) -> WireSpec:
+def wire_spec(settings: RunSettings) -> WireSpec:
     """The run's wire spec (see ``strategies/wire.py``)."""
-    return REGISTRY[settings.method].build_wire(settings)
+    return REGISTRY[settings.method].wire_spec(settings)
+
+
+def initial_state(settings: RunSettings) -> InitialState:
+    """What the server starts from: the shared arrays of round 1 and the wire spec."""
+    return REGISTRY[settings.method].initial_state(settings)

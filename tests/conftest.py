@@ -120,10 +120,10 @@ def moved(before: dict, after: dict) -> set[str]:
 def moves_per_epoch(client) -> tuple[list[set[str]], set[str]]:
     """Run ``client``'s local rule once from the initial shared arrays: per epoch the names of
     the parameters that moved, and the names of all parameters."""
-    from server_app.app import initial_shared_arrays
+    from strategies.registry import initial_state
     from strategies.training import LocalTraining
 
-    model = client.model(initial_shared_arrays(client.settings))
+    model = client.model(initial_state(client.settings).arrays)
     loader = EpochSnapshots(client.loader(True, 1), model)
     torch.manual_seed(1)
     client.method.local_train(LocalTraining(model, loader, client.settings, client.device, 1))

@@ -7,8 +7,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 from client_app.runtime import Client
-from server_app.app import initial_shared_arrays
-from strategies.registry import build_wire, load_settings
+from strategies.registry import initial_state, load_settings, wire_spec
 from strategies.training import evaluate
 from tests.conftest import app_config, make_client, moves_per_epoch
 
@@ -35,7 +34,7 @@ def test_fedavg_ft_evaluates_a_fine_tuned_copy_and_sends_what_fedavg_sends():
     same when repeated; what travels is FedAvg's key set."""
     config = app_config(**{"method": "fedavg-ft", "local-epochs": 2})
     client = make_client(0, config)
-    received = initial_shared_arrays(client.settings)
+    received = initial_state(client.settings).arrays
     model = client.model(received)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     _, plain = evaluate(model, client.loader(train=False), client.device)
@@ -44,5 +43,5 @@ def test_fedavg_ft_evaluates_a_fine_tuned_copy_and_sends_what_fedavg_sends():
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert client.evaluate(model, 3)[1] == tuned
-    fedavg = build_wire(load_settings(app_config(method="fedavg")))
-    assert build_wire(client.settings).shared_spec == fedavg.shared_spec
+    fedavg = wire_spec(load_settings(app_config(method="fedavg")))
+    assert wire_spec(client.settings).shared_spec == fedavg.shared_spec

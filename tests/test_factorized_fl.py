@@ -19,10 +19,9 @@ from models.factorized_fl import (
     factorized_layers,
     matching_key,
 )
-from server_app.app import initial_shared_arrays
 from strategies.factorized_fl.server import FactorizedFLStrategy, matching_weights
 from strategies.factorized_fl.spec import FactorsShared
-from strategies.registry import build_model, build_wire, load_settings
+from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining
 from tests.conftest import app_config, read_results
 
@@ -71,7 +70,7 @@ def test_training_rule_adds_the_l1_penalty_on_mu_with_its_gradient():
     for penalty in (0.0, l1):
         client = _client(**{"factorized-fl.l1": penalty, "lr": lr, "momentum": 0.0,
                             "batch-size": 10_000, "local-epochs": 1})
-        model = client.model(initial_shared_arrays(client.settings))
+        model = client.model(initial_state(client.settings).arrays)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".mu"):
@@ -109,9 +108,9 @@ def test_matching_weights_sum_to_one_respect_tau_self_and_order():
 @pytest.mark.parametrize("variant", ["u", "u-paper", "uvm"])
 def test_uplink_keys(variant):
     client = _client(**{"factorized-fl.variant": variant})
-    model = client.model(initial_shared_arrays(client.settings))
+    model = client.model(initial_state(client.settings).arrays)
     sent = set(client.shared_arrays(model, ArrayRecord()))
-    received = set(initial_shared_arrays(client.settings))
+    received = set(initial_state(client.settings).arrays)
     match = matching_key(model)
     assert sent == received | {match}
     assert match in sent and not any(k.startswith("head.") for k in sent)
@@ -136,7 +135,7 @@ def test_uplink_keys(variant):
 
 def test_matching_vector_stays_personal_in_variant_u():
     client = _client()
-    received = initial_shared_arrays(client.settings)
+    received = initial_state(client.settings).arrays
     model = client.model(received)
     assert matching_key(model) not in received
     torch.manual_seed(0)
@@ -163,8 +162,8 @@ def test_each_downlink_is_its_similarity_weighted_sum_of_the_latest_uploads():
     tau, eps = 0.0, 3.0
     settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": tau,
                                            "factorized-fl.epsilon": eps}))
-    arrays = initial_shared_arrays(settings)
-    strategy = FactorizedFLStrategy(settings, arrays, build_wire(settings))
+    arrays = initial_state(settings).arrays
+    strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
     match = strategy.match_key
     rng = np.random.default_rng(0)
     latest, excluded = {}, 0
@@ -198,8 +197,8 @@ def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
     rebuilt after the next aggregation, and survives a checkpoint; the round's entry holds a
     summary instead of two 150 x 150 matrices."""
     settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": 0.0}))
-    arrays = initial_shared_arrays(settings)
-    strategy = FactorizedFLStrategy(settings, arrays, build_wire(settings))
+    arrays = initial_state(settings).arrays
+    strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
     rng = np.random.default_rng(1)
     replies = [_upload(settings, str(c), rng, 5) for c in range(150)]
     strategy.aggregate_shared(1, replies, arrays)
@@ -220,7 +219,7 @@ def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
                            for w, r in zip(row, sorted(replies, key=lambda r: int(r.client_id)),
                                            strict=True))
             np.testing.assert_allclose(down[key].numpy(), expected, rtol=1e-5, atol=1e-6)
-    resumed = FactorizedFLStrategy(settings, arrays, build_wire(settings))
+    resumed = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
     resumed.restore_state(strategy.checkpoint_state())
     for client, down in downs.items():
         again = resumed.downlink(2, client, arrays)
@@ -245,9 +244,9 @@ def test_real_rounds_uplink_bytes_and_personal_u(federation, tmp_path):
     settings = load_settings(app_config(**{"method": "factorized-fl"}))
     model = build_model(settings)
     client = _client()
-    sent = client.shared_arrays(client.model(initial_shared_arrays(settings)), ArrayRecord())
+    sent = client.shared_arrays(client.model(initial_state(settings).arrays), ArrayRecord())
     assert rounds[0]["bytes_up"] == 4 * sent.count_bytes()
-    assert rounds[0]["bytes_down_train"] == 4 * initial_shared_arrays(settings).count_bytes()
+    assert rounds[0]["bytes_down_train"] == 4 * initial_state(settings).arrays.count_bytes()
     similarity = rounds[1]["similarity"]
     assert similarity["clients"] == ["0", "1", "2", "3"]
     weights = np.array(similarity["weights"])

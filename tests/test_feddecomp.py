@@ -13,9 +13,8 @@ from client_app.runtime import Client
 from common.config import ConfigError
 from common.protocol import ClientReply
 from models.feddecomp import DecomposedConv2d, DecomposedLinear, is_personal_key
-from server_app.app import initial_shared_arrays
 from strategies.feddecomp.server import FedDecompStrategy
-from strategies.registry import build_model, build_wire, load_settings
+from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining
 from tests.conftest import app_config, moves_per_epoch, read_results
 
@@ -104,7 +103,7 @@ def test_phase_one_trains_only_tau_then_phase_two_only_sigma(tmp_path):
 
 def test_tau_is_personal_and_survives_rounds(tmp_path):
     client = _client(tmp_path)
-    received = initial_shared_arrays(client.settings)
+    received = initial_state(client.settings).arrays
     assert not any(is_personal_key(k) for k in received)
     model = _train(client, received)
     client.keep_personal(model, received, client.shared_arrays(model, received))
@@ -119,7 +118,7 @@ def test_tau_is_personal_and_survives_rounds(tmp_path):
 def test_batchnorm_statistics_shared_by_default_personal_as_the_option(tmp_path, bn_stats):
     overrides = {} if bn_stats == "shared" else {"feddecomp.bn-stats": bn_stats}
     client = _client(tmp_path, **overrides)
-    received = initial_shared_arrays(client.settings)
+    received = initial_state(client.settings).arrays
     stats = [k for k in client.method.build_model(client.settings).state_dict()
              if "running_" in k]
     assert stats and (set(stats) <= set(received)) == (bn_stats == "shared")
@@ -137,8 +136,8 @@ def test_batchnorm_statistics_shared_by_default_personal_as_the_option(tmp_path,
 def test_lora_epochs_zero_reproduces_fedavg(tmp_path):
     fedavg = _client(tmp_path, method="fedavg")
     decomp = _client(tmp_path, **{"feddecomp.lora-epochs": 0})
-    received_avg = initial_shared_arrays(fedavg.settings)
-    received_dec = initial_shared_arrays(decomp.settings)
+    received_avg = initial_state(fedavg.settings).arrays
+    received_dec = initial_state(decomp.settings).arrays
     assert set(received_avg) == set(received_dec)
     for key in received_avg:
         torch.testing.assert_close(received_avg[key].numpy(), received_dec[key].numpy())
@@ -163,8 +162,8 @@ def test_server_mean_is_uniform_over_clients_by_default(weighting, expected):
     overrides = {} if weighting == "uniform" else {"feddecomp.weighting": weighting}
     settings = load_settings(app_config(method="feddecomp", **overrides))
     assert settings.method_settings.weighting == weighting
-    strategy = FedDecompStrategy(settings, initial_shared_arrays(settings),
-                                 build_wire(settings))
+    strategy = FedDecompStrategy(settings, initial_state(settings).arrays,
+                                 wire_spec(settings))
     replies = [_reply("0", 1.0, 1), _reply("1", 5.0, 3)]
     start = ArrayRecord({"body.0.weight": Array(np.zeros((2, 3), np.float32)),
                          "body.1.running_mean": Array(np.zeros(2, np.float32))})

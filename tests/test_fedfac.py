@@ -14,7 +14,6 @@ from client_app.runtime import Client
 from common.config import ConfigError
 from common.protocol import ARRAYS, METRICS, ClientReply
 from models.fedfac import analysed_layers, element_keys
-from server_app.app import initial_shared_arrays
 from strategies.fedfac import client as fedfac_client
 from strategies.fedfac.server import (
     FedFacStrategy,
@@ -24,7 +23,7 @@ from strategies.fedfac.server import (
 )
 from strategies.fedfac.spec import MASK_PREFIX, MEMBER_PREFIX
 from strategies.personalized import PersonalizedStrategy
-from strategies.registry import build_model, build_wire, load_settings
+from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining, evaluate
 from tests.conftest import app_config, read_results
 
@@ -119,7 +118,7 @@ def _mlp_strategy(**overrides) -> FedFacStrategy:
         "method": "fedfac", "dataset": "synthetic-fedfac", "model": "mlp", "mlp-hidden": 16,
         "synthetic.dim": 60, "synthetic.hidden": 16, "fedfac.kappa": 0.25,
         "fedfac.tau-quantile": 10 / 16, **overrides}))
-    return FedFacStrategy(settings, initial_shared_arrays(settings), build_wire(settings))
+    return FedFacStrategy(settings, initial_state(settings).arrays, wire_spec(settings))
 
 
 def _replies_around(arrays: ArrayRecord, layer_weights: list[np.ndarray]) -> list[ClientReply]:
@@ -222,7 +221,7 @@ def _reply(client: Client, received: ArrayRecord) -> ClientReply:
                                             client.device, 1))
     return ClientReply(client.partition_id, client.client_id,
                        client.shared_arrays(model, received),
-                       MetricRecord({"num-examples": len(client.data.y_train)}),
+                       MetricRecord({"num-examples": len(client.data().y_train)}),
                        ConfigRecord({"client-id": client.client_id}))
 
 
@@ -230,9 +229,9 @@ def test_all_shared_layer_equals_fedavg():
     overrides = {"fedfac.layers": "0,1", "fedfac.tau-quantile": -1.0}
     clients = [_client(pid, **overrides) for pid in range(3)]
     settings = clients[0].settings
-    initial = initial_shared_arrays(settings)
+    initial = initial_state(settings).arrays
     replies = [_reply(c, initial) for c in clients]
-    wire = build_wire(settings)
+    wire = wire_spec(settings)
     fedfac = FedFacStrategy(settings, initial, wire).aggregate_shared(1, replies, initial)
     fedavg = PersonalizedStrategy(settings, initial, wire).aggregate_shared(1, replies, initial)
     assert set(fedfac) == set(fedavg)
@@ -243,7 +242,7 @@ def test_all_shared_layer_equals_fedavg():
 
 def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server():
     client = _client(0)
-    initial = initial_shared_arrays(client.settings)
+    initial = initial_state(client.settings).arrays
     strategy = FedFacStrategy(client.settings, initial, client.wire)
     model = client.model(initial)
     with torch.no_grad():
@@ -264,7 +263,7 @@ def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server()
 
 def test_whole_layer_personal_sends_no_rows():
     client = _client(0, **{"fedfac.tau-quantile": 2.0})
-    initial = initial_shared_arrays(client.settings)
+    initial = initial_state(client.settings).arrays
     strategy = FedFacStrategy(client.settings, initial, client.wire)
     strategy.aggregate_shared(1, [_reply(client, initial), _reply(_client(1), initial)],
                               initial)
@@ -278,7 +277,7 @@ def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
     the analysed layers; shared rows and every other parameter stay as received, and the
     accuracy it reports is that model's."""
     client = _client(3, **{"local-epochs": 1})
-    initial = initial_shared_arrays(client.settings)
+    initial = initial_state(client.settings).arrays
     strategy = FedFacStrategy(client.settings, initial, client.wire)
     strategy.split = {"body.0": np.arange(32) % 4 == 0}
     down = strategy.downlink(0, None, initial)
@@ -326,7 +325,7 @@ def test_new_client_ensemble_averages_the_members_softmax():
     alone each score differently on this client, so none of them passes for it."""
     client = _client(3)
     trainer = _client(0, **{"local-epochs": 2})
-    trained = trainer.model(initial_shared_arrays(trainer.settings))
+    trained = trainer.model(initial_state(trainer.settings).arrays)
     torch.manual_seed(0)
     trainer.method.local_train(LocalTraining(trained, trainer.loader(True, 1), trainer.settings,
                                              trainer.device, 1))

@@ -13,10 +13,9 @@ from flwr.app import Array, ArrayRecord, Context, MetricRecord, RecordDict
 from client_app.runtime import Client
 from common.protocol import ClientReply
 from models.pfedc import BranchHead, branch_of_key, task_groups
-from server_app.app import initial_shared_arrays
 from strategies.pfedc.client import mgda_ub_weights, min_norm_weights
 from strategies.pfedc.server import PFedCStrategy, masked_branch_average
-from strategies.registry import build_wire, load_settings
+from strategies.registry import initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining
 from tests.conftest import app_config, read_results
 
@@ -87,7 +86,7 @@ def test_counts_option_weights_each_holder_by_its_examples_of_the_task():
 def test_clients_disclose_presence_by_default_and_counts_only_as_the_option(weighting):
     overrides = {} if weighting == "uniform" else {"pfedc.weighting": "counts"}
     client = _client(0, partitioner="dirichlet", **{"dirichlet-alpha": 0.1}, **overrides)
-    counts = np.bincount(client.data.y_train, minlength=10).astype(float)
+    counts = np.bincount(client.data().y_train, minlength=10).astype(float)
     sent = client.identity()["pfedc.task-weights"]
     expected = (counts > 0).astype(float) if weighting == "uniform" else counts
     assert sent == expected.tolist()
@@ -95,14 +94,14 @@ def test_clients_disclose_presence_by_default_and_counts_only_as_the_option(weig
 
 def _strategy(**overrides) -> PFedCStrategy:
     settings = load_settings(app_config(method="pfedc", **overrides))
-    return PFedCStrategy(settings, initial_shared_arrays(settings), build_wire(settings))
+    return PFedCStrategy(settings, initial_state(settings).arrays, wire_spec(settings))
 
 
 def test_downlink_carries_only_held_branches_and_their_holders_average():
     strategy = _strategy()
     assert len(strategy.keys_of_task) == 10
     strategy.task_weights = {"0": [5.0, 5.0] + [0.0] * 8, "1": [0.0, 4.0, 4.0] + [0.0] * 7}
-    arrays = initial_shared_arrays(strategy.settings)
+    arrays = initial_state(strategy.settings).arrays
     down0 = strategy.downlink(1, "0", arrays)
     down1 = strategy.downlink(1, "1", arrays)
     held = lambda rec: sorted({int(k.split(".")[2]) for k in rec if k.startswith("head.")})  # noqa: E731
@@ -161,10 +160,10 @@ def _client(pid: int, **overrides) -> Client:
 
 def test_client_sends_only_branches_it_holds():
     client = _client(0, partitioner="pathological", **{"classes-per-client": 2})
-    model = client.model(initial_shared_arrays(client.settings))
+    model = client.model(initial_state(client.settings).arrays)
     sent = client.shared_arrays(model, ArrayRecord())
     branches = sorted({int(k.split(".")[2]) for k in sent if k.startswith("head.")})
-    assert branches == sorted(np.unique(client.data.y_train).tolist())
+    assert branches == sorted(np.unique(client.data().y_train).tolist())
     assert all(k.startswith("body.") for k in sent if not k.startswith("head."))
 
 
@@ -172,7 +171,7 @@ def test_one_task_is_fedavg_with_one_shared_head():
     fedavg, pfedc = _client(1, method="fedavg"), _client(1, **{"pfedc.tasks": 1})
     results = []
     for client in (fedavg, pfedc):
-        model = client.model(initial_shared_arrays(client.settings))
+        model = client.model(initial_state(client.settings).arrays)
         torch.manual_seed(3)
         client.method.local_train(LocalTraining(model, client.loader(True, 1),
                                                 client.settings, client.device, 1))
@@ -207,8 +206,8 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
                for pid in range(4)]
     settings = clients[0].settings
     assert settings.method_settings.weighting == "uniform"  # the default
-    arrays = initial_shared_arrays(settings)
-    strategy = PFedCStrategy(settings, arrays, build_wire(settings))
+    arrays = initial_state(settings).arrays
+    strategy = PFedCStrategy(settings, arrays, wire_spec(settings))
     presence = {c.client_id: c.identity()["pfedc.task-weights"] for c in clients}
     assert sum(0.0 in w for w in presence.values()) >= 3  # most clients lack some class
     left_by_training: dict[str, dict[str, torch.Tensor]] = {}
@@ -236,7 +235,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
                                      if k in _branch_keys(state, False, presence[cid])}
             latest[cid] = {k: v.numpy() for k, v in sent.items()}
             replies.append(ClientReply(client.partition_id, cid, sent, MetricRecord(
-                {"num-examples": len(client.data.y_train)}), identity))
+                {"num-examples": len(client.data().y_train)}), identity))
         arrays = strategy.aggregate_shared(server_round, replies, arrays)
         for task, keys in strategy.keys_of_task.items():
             holders = [c for c, w in presence.items() if w[task] > 0]
@@ -245,7 +244,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
                     continue
                 mean = np.mean([latest[c][key] for c in holders], axis=0)
                 np.testing.assert_allclose(arrays[key].numpy(), mean, rtol=1e-5, atol=1e-6)
-    counts = {c.client_id: np.bincount(c.data.y_train, minlength=10) for c in clients}
+    counts = {c.client_id: np.bincount(c.data().y_train, minlength=10) for c in clients}
     weighted = masked_branch_average(latest, {c: n.astype(float).tolist()
                                               for c, n in counts.items()},
                                      strategy.keys_of_task)

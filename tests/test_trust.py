@@ -34,11 +34,10 @@ from common.protocol import (
     SERVER_ROUND,
     TRAIN_METRICS,
 )
-from server_app.app import initial_state
 from server_app.rounds import check_resumable
 from strategies.personalized.replies import Exchange, valid_replies
 from strategies.personalized.robust import combine
-from strategies.registry import REGISTRY, load_settings
+from strategies.registry import REGISTRY, initial_state, load_settings
 from tests.conftest import app_config, make_client
 
 pytestmark = pytest.mark.usefixtures("server_task")
@@ -57,7 +56,7 @@ def _honest_reply(client: Client, arrays: ArrayRecord) -> tuple[Message, RecordD
     identity = client.identity()
     content = RecordDict({
         ARRAYS: client.shared_arrays(model, arrays, identity),
-        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_train), "train-loss": 1.0,
+        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train), "train-loss": 1.0,
                                "cpu-seconds": 0.5}),
         CLIENT: identity})
     return message, content

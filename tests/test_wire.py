@@ -25,9 +25,8 @@ from common.protocol import (
     SERVER_ROUND,
     TRAIN_METRICS,
 )
-from server_app.app import initial_state
 from strategies.personalized.replies import Exchange, valid_replies
-from strategies.registry import REGISTRY
+from strategies.registry import REGISTRY, initial_state
 from tests.conftest import app_config, make_client
 
 pytestmark = pytest.mark.usefixtures("server_task")
@@ -58,7 +57,7 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
         identity = client.identity()
         reply = Message(RecordDict({
             ARRAYS: client.shared_arrays(model, down, identity),
-            METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_train), "train-loss": 1.0}),
+            METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train), "train-loss": 1.0}),
             CLIENT: identity}), reply_to=message)
         sent.append(message)
         replies.append((client.context.node_id, reply))

@@ -28,7 +28,7 @@ def personal_elements(client: ClientSide, msg: Message) -> RecordDict:
     state = model.state_dict()
     return RecordDict({ARRAYS: ArrayRecord({k: state[k].cpu()
                                             for k in client.wire.always_personal}),
-                       METRICS: MetricRecord({NUM_EXAMPLES: len(client.data.y_train)})})
+                       METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train)})})
 
 
 def local_train_personal_rows(client: ClientSide, msg: Message) -> RecordDict:
@@ -52,7 +52,7 @@ def local_train_personal_rows(client: ClientSide, msg: Message) -> RecordDict:
         hook.remove()
     test_loss, accuracy = evaluate(model, client.loader(False), client.device)
     return RecordDict({METRICS: MetricRecord({
-        NUM_EXAMPLES: len(client.data.y_test), "accuracy": accuracy, "loss": test_loss,
+        NUM_EXAMPLES: len(client.data().y_test), "accuracy": accuracy, "loss": test_loss,
         "train-loss": loss})})
 
 

@@ -1,0 +1,75 @@
+"""Does today's code reproduce the evidence matrix's stored cells? One stored report cell per
+method (Dirichlet 0.1, seed 1, its stored configuration) runs again with its stored run config,
+and its per-round accuracy and uplink are compared with the stored ones, exactly.
+
+    python bench/reproduce.py                    # every method of the Dirichlet 0.1 scenario
+    python bench/reproduce.py --only fedavg,fedfac
+
+Run it before and after a change that should not change behaviour (a refactoring); the table
+goes to ``bench/results/reproduce.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.matrix import COMMON, SCENARIOS, Matrix, cell_path, pool_file  # noqa: E402
+from bench.report import RESULTS, write_report  # noqa: E402
+from launch.federation import LocalFederation  # noqa: E402
+
+SCENARIO = "dirichlet-0.1"
+SEED = 1
+COMPARED = ("accuracy_per_round", "mb_up_per_round", "accuracy_weighted", "mb_up_total")
+
+
+def stored_config(label: str) -> dict | None:
+    """The configuration of the stored report cell of ``label`` (seed ``SEED``), if any."""
+    folder = cell_path(RESULTS, SCENARIO, label, "report", {}, SEED).parent
+    found = sorted(folder.glob(f"report-*-seed{SEED}.json"))
+    return json.loads(found[0].read_text())["config"] if found else None
+
+
+def shown(cell: dict | None) -> str:
+    return "-" if cell is None else (f"{cell['accuracy_weighted']:.4f} / "
+                                     f"{cell['mb_up_total']:.3f} MB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated labels (default: all)")
+    parser.add_argument("--out", default="", help="keep the re-run cells here (default: a "
+                        "temporary folder); a cell already there is not run again")
+    args = parser.parse_args()
+    entries = [e for e in SCENARIOS[SCENARIO][1]
+               if not args.only or e.label in args.only.split(",")]
+    common = {**COMMON, "dataset": str(pool_file())}
+    stored_matrix = Matrix(None, common)
+    lines = ["| row | configuration | stored | re-run | identical |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp, LocalFederation() as federation:
+        fresh_matrix = Matrix(federation, common, out=Path(args.out or tmp))
+        for item in entries:
+            config = stored_config(item.label)
+            if config is None:
+                continue
+            stored = stored_matrix.cell(SCENARIO, item, "report", config, SEED, may_run=False)
+            fresh = fresh_matrix.cell(SCENARIO, item, "report", config, SEED)
+            same = (stored is not None and fresh is not None
+                    and all(stored[k] == fresh[k] for k in COMPARED))
+            lines.append(f"| {item.label} | {json.dumps(config)} | {shown(stored)} | "
+                         f"{shown(fresh)} | {'yes' if same else 'NO'} |")
+            print(lines[-1], flush=True)
+    body = (f"Scenario {SCENARIO}, seed {SEED}, the stored report cell of each row. "
+            "Identical: the per-round accuracy and uplink and the final ones are equal to the "
+            "last bit.\n\n" + "\n".join(lines) + "\n")
+    write_report("reproduce", "Stored matrix cells re-run", "python bench/reproduce.py", body)
+
+
+if __name__ == "__main__":
+    main()
