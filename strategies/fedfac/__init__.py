@@ -3,7 +3,8 @@
 Home: ``spec.py`` (settings; what travels: shared rows and the split), ``server.py`` (the
 factor analysis, aggregation of shared rows, new-client evaluation), ``client.py`` (plain
 local training and the new-client queries), ``models/fedfac.py`` (which layers and
-parameters make an element; FedFac has no model transform).
+parameters make an element; FedFac has no model transform). The benchmarks' reference
+splits (``fedfac.split``) are ``strategies/reference_splits.py``, outside its home.
 """
 
 from strategies.fedfac.client import ACTIONS

@@ -54,10 +54,10 @@ from common.protocol import (
     ClientReply,
     client_order,
 )
-from fldata import synthetic_generator
-from strategies.fedfac.spec import MEMBER_PREFIX, SharedRows
-from strategies.personalized import PersonalizedStrategy
-from strategies.personalized.robust import combine
+from strategies.engine import Strategy
+from strategies.engine.robust import combine
+from strategies.fedfac.spec import MEMBER_PREFIX, FedFacSettings, SharedRows
+from strategies.reference_splits import ReferenceSplit
 from strategies.wire import Masks
 
 
@@ -117,11 +117,11 @@ def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
 AFTER_TRAINING = 0  # the ledger's record for replies after the last round (never a round)
 
 
-class FedFacStrategy(PersonalizedStrategy):
-    checkpointed = (*PersonalizedStrategy.checkpointed, "split", "communalities")
+class FedFacStrategy(Strategy[FedFacSettings]):
+    checkpointed = ("split", "communalities")
     wire: SharedRows
 
-    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
+    def __init__(self, settings: RunSettings[FedFacSettings], initial_arrays: ArrayRecord,
                  wire: SharedRows) -> None:
         super().__init__(settings, initial_arrays, wire)
         options = settings.method_settings
@@ -135,12 +135,8 @@ class FedFacStrategy(PersonalizedStrategy):
         self.warmup_rounds = options.warmup_rounds
         self.split: dict[str, np.ndarray] | None = None
         self.communalities: dict[str, np.ndarray] = {}  # last analysis (warm start)
-        self.reference = options.split
-        self.true_shared = None
-        if settings.dataset == "synthetic-fedfac":
-            true = synthetic_generator(settings).true_shared_units()
-            if len(true) == wire.shared_spec[f"{self.layers[0]}.weight"][0][0]:
-                self.true_shared = true
+        self.reference = ReferenceSplit(settings, self.layers[0],
+                                        wire.shared_spec[f"{self.layers[0]}.weight"][0][0])
         self.sliced_uplink = False  # whether this round's clients send only shared rows
 
     def begin_round(self, server_round: int) -> None:
@@ -171,36 +167,20 @@ class FedFacStrategy(PersonalizedStrategy):
                 self.analysed_matrices(layer, replies, arrays), self.kappa,
                 self.tau_quantile, None if previous is None else np.clip(1 - previous, 0, 1))
             self.communalities[layer] = nu
-            mask = self._reference_split(server_round, layer, mask)
+            mask = self.reference.apply(server_round, layer, mask)  # benchmarks only
             kept = None if self.split is None else float((self.split[layer] == mask).mean())
             split[layer] = mask
             report[layer] = {"shared": np.flatnonzero(mask).tolist(),
                              "num_shared": int(mask.sum()), "num_elements": len(mask),
                              "num_factors": factors, "kept_fraction": kept,
                              "communalities": np.round(nu, 4).tolist(),
-                             "analysis_seconds": time.perf_counter() - start}
-            if self.true_shared is not None and layer == self.layers[0]:
-                report[layer]["true_overlap"] = float(
-                    (mask & self.true_shared).sum() / max(self.true_shared.sum(), 1))
+                             "analysis_seconds": time.perf_counter() - start,
+                             **self.reference.overlap(layer, mask)}
         self.split = split
         self.report(server_round, "fedfac", report)
 
-    def _reference_split(self, server_round: int, layer: str, estimated: np.ndarray
-                         ) -> np.ndarray:
-        """``fedfac.split``: ``estimate`` (FedFac), or a reference for benchmarks: ``true``
-        (the synthetic generator's split of the first analysed layer's units) or ``random``
-        (as many shared elements as estimated, chosen at random; seeded)."""
-        if self.reference == "true" and layer == self.layers[0]:
-            return self.true_shared.copy()
-        if self.reference == "random":
-            rng = np.random.default_rng([self.settings.seed, server_round])
-            mask = np.zeros_like(estimated)
-            mask[rng.choice(len(mask), int(estimated.sum()), replace=False)] = True
-            return mask
-        return estimated
-
-    def aggregate_shared(self, server_round: int, replies: list[ClientReply],
-                         arrays: ArrayRecord) -> ArrayRecord:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply],
+                        arrays: ArrayRecord) -> ArrayRecord:
         if server_round > self.warmup_rounds and (self.split is None or not self.static):
             self._analyse(server_round, replies, arrays)
         rows = {key: slice(None) if key not in self.layer_of_key or self.split is None
@@ -240,8 +220,8 @@ class FedFacStrategy(PersonalizedStrategy):
             return None
         existing = set(self.nodes.client_info) - excluded
         # replies are validated like every other (dropped ones: under new_clients.dropped)
-        personal_spec = {k: self.shared_spec[k] for k in self.wire.always_personal}
-        personal = self.validate(AFTER_TRAINING, "fedfac.personal", self.query(
+        personal_spec = {k: self.wire.shared_spec[k] for k in self.wire.always_personal}
+        personal = self.replies.valid(AFTER_TRAINING, "fedfac.personal", self.messenger.query(
             grid, {n: RecordDict({CONFIG: ConfigRecord({ACTION: "fedfac.personal"})})
                    for n in self.nodes.nodes_of(existing)}), None, lambda _: personal_spec)
         downlink = self.downlink(0, None, arrays)
@@ -257,10 +237,10 @@ class FedFacStrategy(PersonalizedStrategy):
                                   "ensemble_members": len(personal)}
         for action, payload in (("fedfac.localtrain", downlink),
                                 ("fedfac.ensemble", ArrayRecord(members))):
-            batch = self.query(grid, {n: RecordDict({ARRAYS: payload, CONFIG: ConfigRecord(
-                {ACTION: action})}) for n in new_nodes})
+            batch = self.messenger.query(grid, {n: RecordDict(
+                {ARRAYS: payload, CONFIG: ConfigRecord({ACTION: action})}) for n in new_nodes})
             per_client = {r.client_id: float(r.metrics["accuracy"]) for r in
-                          self.validate(AFTER_TRAINING, action, batch, ("accuracy",))}
+                          self.replies.valid(AFTER_TRAINING, action, batch, ("accuracy",))}
             name = action.split(".")[1]
             report[name] = {"per_client": per_client,
                             "accuracy_mean": float(np.mean(list(per_client.values())))

@@ -42,15 +42,15 @@ class FedFacSettings(KeyGroup):
     warmup_rounds: int = key("fedfac.warmup-rounds", low=0)
 
 
-def check(settings: RunSettings, model: nn.Module) -> None:
+def check(settings: RunSettings[FedFacSettings], model: nn.Module) -> None:
     if settings.method_settings.split == "true" and settings.dataset != "synthetic-fedfac":
         raise ConfigError("fedfac.split: 'true' needs dataset synthetic-fedfac; allowed "
                           "elsewhere: estimate, random")
     analysed_layers(model, settings.method_settings.layers)
 
 
-class SharedRows(WireSpec):
-    def __init__(self, model: nn.Module, settings: RunSettings) -> None:
+class SharedRows(WireSpec[FedFacSettings]):
+    def __init__(self, model: nn.Module, settings: RunSettings[FedFacSettings]) -> None:
         self.layers = analysed_layers(model, settings.method_settings.layers)
         self.layer_of_key = {k: layer for layer in self.layers
                              for k in element_keys(model, layer)}
