@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.matrix import COMMON, SCENARIOS, Matrix, cell_path, pool_file  # noqa: E402
+from bench.evidence.cells import Matrix  # noqa: E402
+from bench.evidence.protocol import COMMON, SCENARIOS, cell_path, pool_file  # noqa: E402
 from bench.report import RESULTS, write_report  # noqa: E402
 from launch.federation import LocalFederation  # noqa: E402
 

@@ -9,8 +9,11 @@ import subprocess
 
 import pytest
 
-from bench import matrix
-from bench.matrix import SCENARIOS, Matrix, claims, select, tuning_grid, write_report
+from bench.evidence import protocol
+from bench.evidence.cells import Matrix, run, select
+from bench.evidence.claims import claims
+from bench.evidence.protocol import SCENARIOS, tuning_grid
+from bench.evidence.report import write_report
 from tests.conftest import ROOT
 
 
@@ -24,9 +27,9 @@ def test_every_row_gets_the_same_tuning_budget_of_learning_rate_and_one_hyperpar
 
 
 def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
-    assert matrix.expand({"lr": 0.05, "feddecomp.rank": 0.25}) == {
+    assert protocol.expand({"lr": 0.05, "feddecomp.rank": 0.25}) == {
         "lr": 0.05, "feddecomp.rank-conv": 0.25, "feddecomp.rank-linear": 0.25}
-    assert matrix.expand({"feddecomp.rank": 0.25, "feddecomp.rank-conv": 1.0}) == {
+    assert protocol.expand({"feddecomp.rank": 0.25, "feddecomp.rank-conv": 1.0}) == {
         "feddecomp.rank-conv": 1.0, "feddecomp.rank-linear": 0.25}
 
 
@@ -36,7 +39,7 @@ def _row(accuracy: float, mb_up: float = 10.0, seeds: int = 3, tuned: bool = Tru
 
 def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
     # Flower's FAB manifest is comma-separated: such a name under the app breaks `flwr run .`
-    path = matrix.cell_path(matrix.ROOT, "dirichlet-0.1", "fedfac@dynamic", "tune",
+    path = protocol.cell_path(ROOT, "dirichlet-0.1", "fedfac@dynamic", "tune",
                             {"lr": 0.02, "fedfac.tau-quantile": 0.3}, 0)
     assert "," not in path.name and "lr=0.02" in path.name
 
@@ -53,7 +56,7 @@ def test_claims_are_judged_on_the_thresholds_and_missing_rows_say_not_measured()
     }
     # the split is judged against its own row's random split of the same size (an ablation),
     # not the separately tuned random-split row (0.70 here, which it would beat)
-    same_size = matrix.config_tag(matrix.SAME_SIZE_RANDOM_SPLIT)
+    same_size = protocol.config_tag(protocol.SAME_SIZE_RANDOM_SPLIT)
     ablated = {("synthetic-fedfac", "fedfac", same_size): {"accuracy": (0.76, 0.0), "seeds": 3},
                ("synthetic-fedfac", "fedfac@dynamic", same_size): {"accuracy": (0.76, 0.0),
                                                                    "seeds": 2}}
@@ -89,12 +92,12 @@ def test_claims_are_judged_on_the_thresholds_and_missing_rows_say_not_measured()
 @pytest.mark.integration
 def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_path,
                                                               monkeypatch):
-    monkeypatch.setattr(matrix, "REPORT_SEEDS", (1, 2))
+    monkeypatch.setattr(protocol, "REPORT_SEEDS", (1, 2))
     common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
     chosen = select(["dirichlet-0.1"], ["fedavg", "local"])
     assert [item.label for _, item in chosen] == ["fedavg", "local"]
 
-    matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
+    run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
     head = subprocess.run(["git", "describe", "--always", "--abbrev=7"], cwd=ROOT,
                           capture_output=True, text=True, check=True).stdout.strip()
     cells = sorted((tmp_path / "matrix" / "cells").rglob("*.json"))
@@ -109,7 +112,7 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
         assert cell["commit"].removesuffix("-dirty") == head  # which code produced it
 
     # resumed: nothing is run again
-    matrix.run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
+    run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")
     assert [c.stat().st_mtime_ns for c in cells] == stamps
     # a cell run under another protocol is never read as today's
     other = Matrix(None, {**common, "num-server-rounds": 3}, tmp_path, num_clients=3)
@@ -134,17 +137,17 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
                                                                        monkeypatch):
     """The tuning cells are written here (their accuracies decide which configuration is
     kept); the ablation itself is a real run."""
-    monkeypatch.setattr(matrix, "REPORT_SEEDS", (1,))
+    monkeypatch.setattr(protocol, "REPORT_SEEDS", (1,))
     common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 2, "plot": False}
-    probe = matrix.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
-    monkeypatch.setattr(matrix, "ABLATIONS", [probe])
+    probe = protocol.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
+    monkeypatch.setattr(protocol, "ABLATIONS", [probe])
     grid = tuning_grid("feddecomp")
     offline = Matrix(None, common, tmp_path, num_clients=3)
     assert offline.ablation(probe) == []  # its row is not tuned yet
     item = next(e for e in SCENARIOS["dirichlet-0.1"][1] if e.label == "feddecomp")
     best = grid[2]
     for k, config in enumerate(grid):
-        path = matrix.cell_path(tmp_path, "dirichlet-0.1", "feddecomp", "tune", config, 0)
+        path = protocol.cell_path(tmp_path, "dirichlet-0.1", "feddecomp", "tune", config, 0)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"run_config": offline.run_config(
             "dirichlet-0.1", item, config, 0, tmp_path), "config": config,

@@ -1,0 +1,124 @@
+"""Cells: one run each, stored as JSON, run only when missing (so the matrix resumes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.evidence import protocol
+from bench.evidence.protocol import (
+    SCENARIOS,
+    Ablation,
+    Entry,
+    cell_path,
+    comparable_config,
+    config_tag,
+    expand,
+    summarize_run,
+    tuning_grid,
+)
+from bench.report import RESULTS, produced_by
+from common.config import app_packages
+from launch.federation import LocalFederation
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Matrix:
+    """The cells under ``out``: stored ones are read, missing ones run on ``federation`` (one
+    private SuperLink) when there is one."""
+
+    def __init__(self, federation: LocalFederation | None, common: dict[str, Any],
+                 out: Path = RESULTS, num_clients: int = protocol.NUM_CLIENTS) -> None:
+        self.federation = federation
+        self.common = common
+        self.out = out
+        self.num_clients = num_clients
+
+    def run_config(self, scenario: str, item: Entry, config: dict[str, Any], seed: int,
+                   out: Path) -> dict[str, Any]:
+        """What one cell runs: the common settings, the scenario's, the row's, the config."""
+        scenario_config, _ = SCENARIOS[scenario]
+        return {**self.common, **scenario_config, **item.fixed, **expand(config),
+                "method": item.method, "seed": seed, "output-dir": str(out)}
+
+    def cell(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
+             seed: int, may_run: bool = True) -> dict[str, Any] | None:
+        """The stored cell, if it ran under today's protocol; else run it (``may_run``)."""
+        path = cell_path(self.out, scenario, item.label, stage, config, seed)
+        cells = self.out / "matrix" / "cells"
+        out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
+        run_config = self.run_config(scenario, item, config, seed, out)
+        if path.exists():
+            stored = json.loads(path.read_text())
+            if (comparable_config(stored["run_config"]) == comparable_config(run_config)
+                    and stored.get("num_clients") == self.num_clients):
+                return stored
+            print(f"{path}: ran under another protocol (COMMON, the pool, the scenario or "
+                  "the number of clients changed since); not used", file=sys.stderr)
+        if self.federation is None or not may_run:
+            return None
+        commit = produced_by("pyproject.toml", *app_packages())  # the code the run starts with
+        run = self.federation.run(ROOT, run_config, num_supernodes=self.num_clients,
+                                  timeout=1800)
+        if not run.ok:
+            print(run.output[-3000:], file=sys.stderr)
+            print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: run failed "
+                  f"({run.status}); not stored, the next invocation tries again",
+                  file=sys.stderr)
+            return None
+        record = {"scenario": scenario, "label": item.label, "stage": stage,
+                  "config": config, "seed": seed, "run_config": run_config,
+                  "num_clients": self.num_clients, "commit": commit,
+                  **summarize_run(json.loads((out / "results.json").read_text()))}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+        print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: "
+              f"acc {record['accuracy_weighted']:.4f} min {record['accuracy_min']:.4f} "
+              f"{record['seconds_total']:.0f} s", flush=True)
+        return record
+
+    def tuned(self, scenario: str, item: Entry, tune: bool) -> tuple[dict[str, Any], bool]:
+        """The configuration to report and whether the whole grid was run for it."""
+        cells = [(c, self.cell(scenario, item, "tune", c, protocol.TUNING_SEED, may_run=tune))
+                 for c in tuning_grid(item.method)]
+        done = [(c, r) for c, r in cells if r is not None]
+        if len(done) < len(cells):
+            return {}, False
+        return max(done, key=lambda cr: cr[1]["accuracy_weighted"])[0], True
+
+
+    def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
+        """The ablation's cells on the report seeds (none before its row is tuned)."""
+        [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
+        config, tuned = self.tuned(ablation.scenario, item, tune=False)
+        if not tuned:
+            print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
+                  file=sys.stderr)
+            return []
+        return [c for seed in protocol.REPORT_SEEDS if (c := self.cell(
+            ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
+            may_run=may_run)) is not None]
+
+
+def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
+    """The rows of ``scenarios`` that ``only`` names (a label, a method, or
+    ``scenario/label``; empty: all)."""
+    return [(s, e) for s in scenarios for e in SCENARIOS[s][1]
+            if not only or {e.label, e.method, f"{s}/{e.label}"} & set(only)]
+
+
+def run(matrix: Matrix, chosen: list[tuple[str, Entry]], stage: str) -> None:
+    """Row by row, in the order given: its tuning runs, then its report seeds (so a stop
+    leaves whole rows behind)."""
+    for scenario, item in chosen:
+        if stage in ("tune", "all"):
+            matrix.tuned(scenario, item, tune=True)
+        if stage in ("report", "all"):
+            config, _ = matrix.tuned(scenario, item, tune=False)
+            for seed in protocol.REPORT_SEEDS:
+                matrix.cell(scenario, item, "report", config, seed)
+
+
