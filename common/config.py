@@ -21,7 +21,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "domain")
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
@@ -133,6 +133,12 @@ class KeyGroup:
         return cls(**values)
 
 
+MethodSettingsT = TypeVar("MethodSettingsT", bound=KeyGroup | None)
+"""A method's own settings type (its ``KeyGroup``; ``None`` for a method without keys): what
+``RunSettings``, ``LocalTraining``, ``WireSpec``, the strategy and the ``Method`` record are
+generic in, so that a method's rules are typed against its own keys."""
+
+
 def node_owners(text: str) -> dict[str, set[str]]:
     """``identity.node-owners``: comma-separated ``<registered node name>=<client id>`` pairs
     (a name may appear more than once) -> name -> the client ids that node may speak for."""
@@ -145,6 +151,9 @@ def node_owners(text: str) -> dict[str, set[str]]:
     return owners
 
 
+SettingsT = TypeVar("SettingsT", bound=KeyGroup | None)
+
+
 def at_most_local_epochs(name: str, epochs: int, local_epochs: int) -> None:
     """A method's phase length (``fedrep.head-epochs``, ``feddecomp.lora-epochs``) fits in
     ``local-epochs``."""
@@ -154,7 +163,7 @@ def at_most_local_epochs(name: str, epochs: int, local_epochs: int) -> None:
 
 
 @dataclass(frozen=True)
-class RunSettings(KeyGroup):
+class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     """The keys every method uses, shared by the ServerApp and the ClientApp;
     ``method_settings`` holds the method's own ``KeyGroup`` (``None`` for a method without
     keys)."""
@@ -200,7 +209,7 @@ class RunSettings(KeyGroup):
     trim_fraction: float = key("aggregation.trim-fraction", low=0, high=0.45)
     clip_norm: float = key("aggregation.clip-norm", low=0)
     max_num_examples: int = key("aggregation.max-num-examples", low=1)
-    method_settings: Any = field(default=None, compare=False)
+    method_settings: MethodSettingsT = field(default=None, compare=False)  # type: ignore[assignment]
     raw: dict[str, Any] = field(repr=False, default_factory=dict, compare=False)
 
     @classmethod
@@ -216,5 +225,5 @@ class RunSettings(KeyGroup):
             raise ConfigError(f"device: unknown value {device!r}; allowed: {DEVICES_HELP}")
         return settings
 
-    def with_method(self, method_settings: KeyGroup | None) -> RunSettings:
-        return dataclasses.replace(self, method_settings=method_settings)
+    def with_method(self, method_settings: SettingsT) -> RunSettings[SettingsT]:
+        return dataclasses.replace(self, method_settings=method_settings)  # type: ignore[return-value,arg-type]

@@ -59,7 +59,7 @@ CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """What a client id may be: ASCII letters, digits, ``.``, ``_``, ``-``, at most 64 characters,
 starting with a letter or digit (it becomes a file name on the client: ``<id>.pt``)."""
 
-# the evaluation a train reply carries with fused evaluation (``strategies/personalized/
+# the evaluation a train reply carries with fused evaluation (``strategies/engine/
 # evaluation.py``)
 EVAL_ACCURACY, EVAL_LOSS, EVAL_EXAMPLES = "eval-accuracy", "eval-loss", "eval-num-examples"
 EVAL_CPU = "eval-cpu-seconds"  # CPU time of the evaluation (``cpu-seconds``: the training)

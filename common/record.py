@@ -1,7 +1,7 @@
 """What one round records, and its form in ``results.json`` (contracts §3 and §4).
 
 The strategy fills a ``RoundRecord`` per round; ``RoundRecord.entry`` is the round's object in
-``results.json``. A method adds its own per-round values with ``PersonalizedStrategy.report``
+``results.json``. A method adds its own per-round values with ``Strategy.report``
 (they land in ``extra`` and appear as top-level fields of the round's entry).
 """
 

@@ -14,7 +14,7 @@ from common.config import ConfigError
 from common.protocol import error_reason
 from server_app.results import ResultsRecorder, output_dir
 from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
-from strategies.personalized import RunFailedError
+from strategies.engine import RunFailedError
 from strategies.registry import REGISTRY, initial_state, load_settings
 
 app = ServerApp()
@@ -47,9 +47,9 @@ def main(grid: Grid, context: Context) -> None:
         earlier = [str(r) for r in checkpoint.get("run_ids", [])]
         run_ids = [*earlier, *run_ids]
         # Clients may continue from personal state saved by these runs, up to this round.
-        strategy.message_config = {"resume-round": checkpoint["round"]}
+        strategy.messenger.message_config = {"resume-round": checkpoint["round"]}
         if earlier:
-            strategy.message_config["resume-runs"] = earlier
+            strategy.messenger.message_config["resume-runs"] = earlier
     try:
         strategy.identify(grid, first_round)
         arrays = run_rounds(grid, strategy, recorder, arrays, first_round,

@@ -13,7 +13,7 @@ from flwr.common.logger import log
 from common.config import RunSettings
 from common.durable import write_json
 from common.record import RoundRecord
-from strategies.personalized import PersonalizedStrategy
+from strategies.engine import Strategy
 
 MB = 1024**2
 
@@ -31,7 +31,7 @@ class ResultsRecorder:
     run's ``status``: ``running``, then ``completed`` (``finish``: every round ran and the
     last evaluation produced accuracies) or ``failed`` with its one-line ``reason``."""
 
-    def __init__(self, settings: RunSettings, strategy: PersonalizedStrategy,
+    def __init__(self, settings: RunSettings, strategy: Strategy,
                  out_dir: Path) -> None:
         self.settings = settings
         self.strategy = strategy
@@ -59,7 +59,7 @@ class ResultsRecorder:
     def on_round(self, server_round: int) -> None:
         """A round is done: add its entry, rewrite results.json, print the progress line."""
         now = time.monotonic()
-        record = self.strategy.history.get(server_round, RoundRecord())
+        record = self.strategy.ledger.history.get(server_round, RoundRecord())
         entry = record.entry(server_round, now - self._t_round)
         self._t_round = now
         self.rounds.append(entry)
@@ -115,7 +115,7 @@ class ResultsRecorder:
         round that failed, with its dropped replies), with ``status`` failed and the
         one-line ``reason``."""
         for server_round in range(self.last_round + 1, through_round + 1):
-            record = self.strategy.history.get(server_round, RoundRecord())
+            record = self.strategy.ledger.history.get(server_round, RoundRecord())
             self.rounds.append(record.entry(server_round, time.monotonic() - self._t_round))
         self.status, self.reason = "failed", reason
         self.write()

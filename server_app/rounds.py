@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 from common.config import ConfigError
 from common.durable import load_tree, save_tree
 from server_app.results import ResultsRecorder
-from strategies.personalized import PersonalizedStrategy
+from strategies.engine import Strategy
 
 CHECKPOINT = "checkpoint.npz"
 # Keys a resumed run may change: how long it runs, where it writes, how long it waits, and
@@ -43,14 +43,14 @@ RESUMABLE_KEYS = frozenset({
 
 
 def save_checkpoint(path: Path, server_round: int, arrays: ArrayRecord,
-                    strategy: PersonalizedStrategy, recorder: ResultsRecorder,
+                    strategy: Strategy, recorder: ResultsRecorder,
                     run_ids: list[str]) -> None:
     save_tree(path, {
         "round": server_round, "method": strategy.settings.method,
         "config": dict(strategy.settings.raw), "run_ids": run_ids,
         "arrays": {k: v.numpy() for k, v in arrays.items()},
         "strategy": strategy.checkpoint_state(), "rounds": recorder.rounds,
-        "pending_evaluation": strategy.pending_state(server_round),
+        "pending_evaluation": strategy.evaluation.state(server_round),
         "random": random.getstate()})
 
 
@@ -77,11 +77,11 @@ def check_resumable(checkpoint: dict[str, Any], run_config: dict[str, Any]) -> N
                           f"config: {changes}")
 
 
-def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
+def resume(checkpoint: dict[str, Any], strategy: Strategy,
            recorder: ResultsRecorder) -> tuple[int, ArrayRecord]:
     """Restore a checkpoint; returns (first round to run, shared arrays)."""
     strategy.restore_state(checkpoint["strategy"])
-    strategy.restore_pending(checkpoint.get("pending_evaluation"))
+    strategy.evaluation.restore(checkpoint.get("pending_evaluation"))
     recorder.rounds = list(checkpoint["rounds"])
     version, state, gauss = checkpoint["random"]
     random.setstate((version, tuple(state), gauss))
@@ -90,7 +90,7 @@ def resume(checkpoint: dict[str, Any], strategy: PersonalizedStrategy,
     return checkpoint["round"] + 1, arrays
 
 
-def run_rounds(grid: Grid, strategy: PersonalizedStrategy, recorder: ResultsRecorder,
+def run_rounds(grid: Grid, strategy: Strategy, recorder: ResultsRecorder,
                arrays: ArrayRecord, first_round: int, last_round: int,
                run_ids: list[str]) -> ArrayRecord:
     fused = strategy.settings.fused_evaluation

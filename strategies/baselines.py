@@ -2,7 +2,7 @@
 FedAvg-FT.
 
 They differ only in which state-dict keys travel (their wire spec) and in their local training
-rule; the server side of all of them is the plain ``PersonalizedStrategy`` (example-weighted
+rule; the server side of all of them is the plain ``Strategy`` (example-weighted
 mean of what is sent). Each is a few lines, so they live together in this one file.
 
 FedAvg-FT is FedAvg whose clients, before each personalized evaluation, fine-tune a copy of the
@@ -69,13 +69,13 @@ class FedRepSettings(KeyGroup):
     head_epochs: int = key("fedrep.head-epochs")
 
 
-def check_fedrep(settings: RunSettings, model: nn.Module) -> None:
+def check_fedrep(settings: RunSettings[FedRepSettings], model: nn.Module) -> None:
     at_most_local_epochs("fedrep.head-epochs", settings.method_settings.head_epochs,
                          settings.local_epochs)
 
 
 # ---------------------------------------------------------------------- client rules
-def train_fedprox(job: LocalTraining) -> float:
+def train_fedprox(job: LocalTraining[FedProxSettings]) -> float:
     """FedProx (Li et al. 2020): loss + mu/2 ||w - w_global||^2 over the received weights."""
     mu = job.settings.method_settings.mu
     anchor = [p.detach().clone() for p in job.model.parameters()]
@@ -87,7 +87,7 @@ def train_fedprox(job: LocalTraining) -> float:
     return train_epochs(job, job.model.parameters(), job.settings.local_epochs, proximal)
 
 
-def train_fedrep(job: LocalTraining) -> float:
+def train_fedrep(job: LocalTraining[FedRepSettings]) -> float:
     """FedRep (Collins et al. 2021): ``fedrep.head-epochs`` on the head, then the remaining
     ``local-epochs`` on the body."""
     head_epochs = job.settings.method_settings.head_epochs

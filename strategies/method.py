@@ -5,7 +5,7 @@ baselines) plus its model transform in ``models/<method>.py``:
 
 - ``spec.py``: its settings (a ``KeyGroup`` of its run-config keys) and its wire spec (a
   ``WireSpec``: what goes down and up, used by both sides);
-- ``server.py``: its strategy (a ``PersonalizedStrategy`` overriding the hooks listed there);
+- ``server.py``: its server rule (a ``Strategy`` overriding hooks of ``engine/hooks.py``);
 - ``client.py``: its local training rule (``LocalTraining -> float``) and the answers to its
   own server queries (``actions``);
 - ``__init__.py``: the ``Method`` record below, which ``strategies/registry.py`` lists.
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol
 
 import torch
 from flwr.app import ArrayRecord
 from torch import nn
 from torch.utils.data import DataLoader
 
-from common.config import KeyGroup, RunSettings
+from common.config import MethodSettingsT, RunSettings
 from fldata import ClientData, dataset_shape, default_model
 from models import build_backbone
-from strategies.personalized import PersonalizedStrategy
+from strategies.engine import Strategy
 from strategies.training import LocalTraining, train_everything
 from strategies.wire import WireSpec
 
@@ -59,7 +59,7 @@ class ClientSide(Protocol):
 
 
 @dataclass(frozen=True)
-class Method:
+class Method(Generic[MethodSettingsT]):
     """A method's pieces.
 
     ``settings``: its run-config keys (parsed into ``RunSettings.method_settings``);
@@ -73,14 +73,14 @@ class Method:
     and training starts from the received model, not from the copy)."""
 
     name: str
-    wire: type[WireSpec] = WireSpec
-    strategy: type[PersonalizedStrategy] = PersonalizedStrategy
-    local_train: Callable[[LocalTraining], float] = train_everything
-    settings: type[KeyGroup] | None = None
-    transform: Callable[[nn.Module, RunSettings], nn.Module] = keep_model
-    check: Callable[[RunSettings, nn.Module], None] = no_checks
+    wire: type[WireSpec[MethodSettingsT]] = WireSpec
+    strategy: type[Strategy[MethodSettingsT]] = Strategy
+    local_train: Callable[[LocalTraining[MethodSettingsT]], float] = train_everything
+    settings: type[MethodSettingsT] | None = None
+    transform: Callable[[nn.Module, RunSettings[MethodSettingsT]], nn.Module] = keep_model
+    check: Callable[[RunSettings[MethodSettingsT], nn.Module], None] = no_checks
     actions: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    fine_tune: Callable[[LocalTraining], float] | None = None
+    fine_tune: Callable[[LocalTraining[MethodSettingsT]], float] | None = None
 
     def build_model(self, settings: RunSettings) -> nn.Module:
         """The run's model, identical on the server and on every client (seeded init)."""

@@ -9,23 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from common.config import RunSettings
+from common.config import MethodSettingsT, RunSettings
 
 ExtraLoss = Callable[[nn.Module], Tensor]
 
 
 @dataclass
-class LocalTraining:
+class LocalTraining(Generic[MethodSettingsT]):
     """Everything a local-training rule may use."""
 
     model: nn.Module
     loader: DataLoader
-    settings: RunSettings
+    settings: RunSettings[MethodSettingsT]
     device: torch.device
     server_round: int
 

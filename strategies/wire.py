@@ -11,12 +11,12 @@ overrides the hooks below in its ``strategies/<method>/spec.py``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic
 
 import torch
 from torch import Tensor, nn
 
-from common.config import RunSettings
+from common.config import MethodSettingsT, RunSettings
 from common.protocol import ArraySpec
 from fldata import ClientData
 
@@ -30,10 +30,10 @@ def state_keys(model: nn.Module) -> list[str]:
     return [k for k in model.state_dict() if not k.endswith("num_batches_tracked")]
 
 
-class WireSpec:
+class WireSpec(Generic[MethodSettingsT]):
     """Default: every state-dict entry (``state_keys``) travels whole, both ways."""
 
-    def __init__(self, model: nn.Module, settings: RunSettings) -> None:
+    def __init__(self, model: nn.Module, settings: RunSettings[MethodSettingsT]) -> None:
         self.settings = settings
         self.shared_keys: list[str] = self.select_shared(model)
         self.shared_spec: ArraySpec = tensor_spec(model.state_dict(), self.shared_keys)

@@ -171,7 +171,7 @@ def test_each_downlink_is_its_similarity_weighted_sum_of_the_latest_uploads():
         replies = [_upload(settings, c, rng, 10 + int(c)) for c in present]
         latest.update({r.client_id: {k: v.numpy() for k, v in r.arrays.items()}
                        for r in replies})
-        strategy.aggregate_shared(server_round, replies, arrays)
+        strategy.aggregate_train(server_round, replies, arrays)
         ids = sorted(latest)
         vectors = np.stack([latest[c][match].ravel() for c in ids])
         unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -201,7 +201,7 @@ def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
     strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
     rng = np.random.default_rng(1)
     replies = [_upload(settings, str(c), rng, 5) for c in range(150)]
-    strategy.aggregate_shared(1, replies, arrays)
+    strategy.aggregate_train(1, replies, arrays)
     summary = strategy.ledger.record(1).extra["similarity"]
     assert summary["num_clients"] == 150 and "matrix" not in summary
     assert 1 <= summary["neighbours_mean"] <= 150
@@ -225,7 +225,7 @@ def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
         again = resumed.downlink(2, client, arrays)
         for key in arrays:
             np.testing.assert_array_equal(again[key].numpy(), down[key].numpy())
-    strategy.aggregate_shared(2, [_upload(settings, "3", rng, 5)], arrays)
+    strategy.aggregate_train(2, [_upload(settings, "3", rng, 5)], arrays)
     assert strategy._personal == {}  # a new snapshot: downlinks are built from it
     assert not np.array_equal(strategy.downlink(3, "3", arrays)[next(iter(arrays))].numpy(),
                               downs["3"][next(iter(arrays))].numpy())

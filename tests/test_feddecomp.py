@@ -167,7 +167,7 @@ def test_server_mean_is_uniform_over_clients_by_default(weighting, expected):
     replies = [_reply("0", 1.0, 1), _reply("1", 5.0, 3)]
     start = ArrayRecord({"body.0.weight": Array(np.zeros((2, 3), np.float32)),
                          "body.1.running_mean": Array(np.zeros(2, np.float32))})
-    merged = strategy.aggregate_shared(1, replies, start)
+    merged = strategy.aggregate_train(1, replies, start)
     for key in ("body.0.weight", "body.1.running_mean"):
         np.testing.assert_allclose(merged[key].numpy(), expected)
         assert merged[key].numpy().dtype == np.float32

@@ -14,6 +14,7 @@ from client_app.runtime import Client
 from common.config import ConfigError
 from common.protocol import ARRAYS, METRICS, ClientReply
 from models.fedfac import analysed_layers, element_keys
+from strategies.engine import Strategy
 from strategies.fedfac import client as fedfac_client
 from strategies.fedfac.server import (
     FedFacStrategy,
@@ -22,7 +23,6 @@ from strategies.fedfac.server import (
     shared_elements,
 )
 from strategies.fedfac.spec import MASK_PREFIX, MEMBER_PREFIX
-from strategies.personalized import PersonalizedStrategy
 from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining, evaluate
 from tests.conftest import app_config, read_results
@@ -138,7 +138,7 @@ def _split_after_correlated_updates(strategy: FedFacStrategy, arrays: ArrayRecor
     whose first 6 elements follow common factors."""
     start = arrays["body.1.weight"].numpy()
     updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
-    strategy.aggregate_shared(server_round, _replies_around(arrays, [start + d for d in updates]),
+    strategy.aggregate_train(server_round, _replies_around(arrays, [start + d for d in updates]),
                               arrays)
     return strategy.split["body.1"]
 
@@ -185,7 +185,7 @@ def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates(
         replies = _replies_around(arrays, [arrays["body.1.weight"].numpy() + rng.normal(
             size=(16, 60)) for _ in range(4)])
         assert strategy.uplink_masks() is None
-        new = strategy.aggregate_shared(server_round, replies, arrays)
+        new = strategy.aggregate_train(server_round, replies, arrays)
         assert strategy.split is None and strategy.downlink(server_round, "0", new) is new
         total = sum(r.num_examples for r in replies)
         np.testing.assert_allclose(new["body.1.weight"].numpy(), sum(
@@ -232,8 +232,8 @@ def test_all_shared_layer_equals_fedavg():
     initial = initial_state(settings).arrays
     replies = [_reply(c, initial) for c in clients]
     wire = wire_spec(settings)
-    fedfac = FedFacStrategy(settings, initial, wire).aggregate_shared(1, replies, initial)
-    fedavg = PersonalizedStrategy(settings, initial, wire).aggregate_shared(1, replies, initial)
+    fedfac = FedFacStrategy(settings, initial, wire).aggregate_train(1, replies, initial)
+    fedavg = Strategy(settings, initial, wire).aggregate_train(1, replies, initial)
     assert set(fedfac) == set(fedavg)
     for key in fedavg:
         np.testing.assert_allclose(fedfac[key].numpy(), fedavg[key].numpy(), rtol=1e-5,
@@ -265,7 +265,7 @@ def test_whole_layer_personal_sends_no_rows():
     client = _client(0, **{"fedfac.tau-quantile": 2.0})
     initial = initial_state(client.settings).arrays
     strategy = FedFacStrategy(client.settings, initial, client.wire)
-    strategy.aggregate_shared(1, [_reply(client, initial), _reply(_client(1), initial)],
+    strategy.aggregate_train(1, [_reply(client, initial), _reply(_client(1), initial)],
                               initial)
     assert not strategy.split["body.0"].any()
     down = strategy.downlink(2, "0", initial)

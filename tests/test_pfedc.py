@@ -236,7 +236,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
             latest[cid] = {k: v.numpy() for k, v in sent.items()}
             replies.append(ClientReply(client.partition_id, cid, sent, MetricRecord(
                 {"num-examples": len(client.data().y_train)}), identity))
-        arrays = strategy.aggregate_shared(server_round, replies, arrays)
+        arrays = strategy.aggregate_train(server_round, replies, arrays)
         for task, keys in strategy.keys_of_task.items():
             holders = [c for c, w in presence.items() if w[task] > 0]
             for key in keys:

@@ -35,8 +35,9 @@ from common.protocol import (
     TRAIN_METRICS,
 )
 from server_app.rounds import check_resumable
-from strategies.personalized.replies import Exchange, valid_replies
-from strategies.personalized.robust import combine
+from strategies.engine.exchange import Exchange
+from strategies.engine.replies import valid_replies
+from strategies.engine.robust import combine
 from strategies.registry import REGISTRY, initial_state, load_settings
 from tests.conftest import app_config, make_client
 
@@ -121,7 +122,7 @@ def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
     assert TRAIN_CASES[case][1] in dropped[0]["reason"], dropped[0]["reason"]
     assert "\n" not in dropped[0]["reason"] and "\n" not in dropped[0]["client"]
     # the checked arrays are the decoded values, ready for aggregation
-    strategy.aggregate_shared(1, valid, initial)
+    strategy.aggregate_train(1, valid, initial)
 
 
 @pytest.mark.parametrize(("metric", "value"), [("accuracy", [0.5, 0.5]), ("loss", [1.0]),
@@ -160,7 +161,7 @@ def test_an_identify_reply_lacking_partition_entries_is_dropped_fedfac():
     message = Message(RecordDict({CONFIG: ConfigRecord({"action": "identify"})}),
                       dst_node_id=100, message_type=MessageType.QUERY)
     reply = Message(RecordDict({CLIENT: ConfigRecord({"client-id": "0"})}), reply_to=message)
-    valid = strategy.validate(1, "identify", Exchange([message], [(100, reply)]), None)
+    valid = strategy.replies.valid(1, "identify", Exchange([message], [(100, reply)]), None)
     assert valid == [] and "partition-id" in strategy.ledger.record(1).dropped[0]["reason"]
     assert strategy.nodes.client_info == {}
 
@@ -181,7 +182,7 @@ def _claims(strategy, nodes: dict[int, str], names: dict[int, str] | None = None
             reply_to=message)
         sent.append(message)
         replies.append((node, reply))
-    return [r.client_id for r in strategy.validate(
+    return [r.client_id for r in strategy.replies.valid(
         server_round, "identify", Exchange(sent, replies), None)]
 
 
@@ -227,11 +228,11 @@ def test_client_ids_are_capped_and_expire_with_their_tables():
                                         "identity.expire-rounds": 3})
     assert _claims(strategy, {1: "a", 2: "b", 3: "c"}) == ["a", "b"]
     assert "max-clients=2" in strategy.ledger.record(1).dropped[0]["reason"]
-    strategy.per_client_accuracy.update({"a": 0.5, "b": 0.6})
+    strategy.evaluation.per_client_accuracy.update({"a": 0.5, "b": 0.6})
     strategy.task_weights.update({"a": [1.0], "b": [1.0]})
     assert _claims(strategy, {2: "b"}, server_round=4) == ["b"]
     strategy.forget_expired(5)  # "a" last heard from in round 1
-    assert set(strategy.per_client_accuracy) == set(strategy.task_weights) == {"b"}
+    assert set(strategy.evaluation.per_client_accuracy) == set(strategy.task_weights) == {"b"}
     assert strategy.nodes.client_of(1) is None
     assert _claims(strategy, {3: "c"}, server_round=5) == ["c"]  # room again
 
@@ -245,7 +246,7 @@ def test_example_counts_are_pinned_at_the_first_report():
         reply = Message(RecordDict({METRICS: MetricRecord({
             NUM_EXAMPLES: examples, "accuracy": 0.5, "loss": 1.0}), CLIENT: client.identity()}),
             reply_to=message)
-        valid = strategy.validate(server_round, "evaluate",
+        valid = strategy.replies.valid(server_round, "evaluate",
                                          Exchange([message], [(100, reply)]), EVALUATE_METRICS)
         assert valid[0].num_examples == 50
 
@@ -355,9 +356,9 @@ def test_the_evaluation_a_train_reply_carries_is_validated_on_its_own():
         replies.append((message, Message(content, reply_to=message)))
     batch = Exchange([m for m, _ in replies],
                      [(m.metadata.dst_node_id, r) for m, r in replies])
-    trained = strategy.validate(2, "train", batch, TRAIN_METRICS, strategy.uplink_expected())
+    trained = strategy.replies.valid(2, "train", batch, TRAIN_METRICS, strategy.uplink_expected())
     assert [r.client_id for r in trained] == ["0"]
-    strategy._fused_evaluation(1, batch, Exchange([], []),
+    strategy.evaluation.split_off(1, batch, Exchange([], []),
                                {m.metadata.dst_node_id for m, _ in replies})
     record = strategy.ledger.record(1)
     assert record.eval["per_client"] == {"0": 0.75, "3": 0.25}

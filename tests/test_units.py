@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -137,10 +135,9 @@ def test_shared_key_rules():
     assert "body.0.weight" in non_batchnorm_keys(model, s)       # conv
 
 
-def _strategy() -> SimpleNamespace:
+def _expected_spec() -> dict:
     """What the server expects of a reply carrying one (2, 3) float32 array ``w``."""
-    return SimpleNamespace(shared_spec=spec_of(ArrayRecord({"w": Array(np.zeros((2, 3),
-                                                                              np.float32))})))
+    return spec_of(ArrayRecord({"w": Array(np.zeros((2, 3), np.float32))}))
 
 
 @pytest.mark.parametrize(("value", "reason"), [
@@ -149,13 +146,13 @@ def _strategy() -> SimpleNamespace:
     (np.full((2, 3), np.inf, np.float32), "non-finite"),
 ])
 def test_reply_validation_rejects(value, reason):
-    strategy = _strategy()
+    expected = _expected_spec()
     with pytest.raises(ReplyError, match=reason):
-        check_arrays(ArrayRecord({"w": Array(value)}), strategy.shared_spec)
+        check_arrays(ArrayRecord({"w": Array(value)}), expected)
     with pytest.raises(ReplyError, match="unknown"):
         check_arrays(ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)),
                                             "extra": Array(np.zeros(1))}),
-                               strategy.shared_spec)
+                     expected)
     check_arrays(ArrayRecord({"w": Array(np.ones((2, 3), np.float32))}),
                            spec_of(ArrayRecord({"w": Array(np.ones((2, 3), np.float32))})))
 

@@ -25,7 +25,8 @@ from common.protocol import (
     SERVER_ROUND,
     TRAIN_METRICS,
 )
-from strategies.personalized.replies import Exchange, valid_replies
+from strategies.engine.exchange import Exchange
+from strategies.engine.replies import valid_replies
 from strategies.registry import REGISTRY, initial_state
 from tests.conftest import app_config, make_client
 
@@ -82,7 +83,7 @@ def test_replies_built_from_the_wire_spec_pass_validation(method, overrides):
         valid, dropped = _round_trip(strategy, clients, server_round, arrays)
         assert dropped == []
         assert [r.client_id for r in valid] == ["0", "1", "2", "3"]
-        arrays = strategy.aggregate_shared(server_round, valid, arrays)
+        arrays = strategy.aggregate_train(server_round, valid, arrays)
     if method == "fedfac":
         assert strategy.split is not None
     if method == "pfedc" and overrides:

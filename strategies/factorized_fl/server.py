@@ -21,8 +21,8 @@ from flwr.app import Array, ArrayRecord
 
 from common.config import RunSettings
 from common.protocol import ClientReply, client_order
-from strategies.factorized_fl.spec import FactorsShared
-from strategies.personalized import PersonalizedStrategy
+from strategies.engine import Strategy
+from strategies.factorized_fl.spec import FactorizedFLSettings, FactorsShared
 
 
 def cosine_similarity(vectors: np.ndarray) -> np.ndarray:
@@ -50,18 +50,18 @@ def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float
 MATRIX_IN_RESULTS = 100
 
 
-class FactorizedFLStrategy(PersonalizedStrategy):
+class FactorizedFLStrategy(Strategy[FactorizedFLSettings]):
     """Per round the similarities and weights of all known clients (one matrix product), but
     a client's weighted average only when it is sent to that client (``downlink``): with 1,000
     clients and ``fraction-train = 0.1`` that is 100 rows of work instead of 1,000, and no
     table of personal models. Every average is taken over the same snapshot as before
-    (``latest`` changes only in ``aggregate_shared``), so what a client receives is the same."""
+    (``latest`` changes only in ``aggregate_train``), so what a client receives is the same."""
 
-    checkpointed = (*PersonalizedStrategy.checkpointed, "latest")
-    client_tables = (*PersonalizedStrategy.client_tables, "latest")
+    checkpointed = ("latest",)
+    client_tables = ("latest",)
     wire: FactorsShared
 
-    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
+    def __init__(self, settings: RunSettings[FactorizedFLSettings], initial_arrays: ArrayRecord,
                  wire: FactorsShared) -> None:
         super().__init__(settings, initial_arrays, wire)
         self.match_key = wire.match_key
@@ -72,8 +72,8 @@ class FactorizedFLStrategy(PersonalizedStrategy):
         self._stacked: dict[str, np.ndarray] = {}  # key -> (clients, size), this snapshot
         self._personal: dict[str, ArrayRecord] = {}  # downlinks built from this snapshot
 
-    def aggregate_shared(self, server_round: int, replies: list[ClientReply],
-                         arrays: ArrayRecord) -> ArrayRecord:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply],
+                        arrays: ArrayRecord) -> ArrayRecord:
         for reply in replies:
             self.latest[reply.client_id] = {k: reply.arrays[k].numpy() for k in reply.arrays}
         clients, similarity, weights = self._match()
@@ -86,7 +86,7 @@ class FactorizedFLStrategy(PersonalizedStrategy):
             report = {"num_clients": len(clients), "mean": round(float(off.mean()), 4),
                       "neighbours_mean": float((weights > 0).sum(axis=1).mean())}
         self.report(server_round, "similarity", report)
-        return self.aggregate_keys(replies, list(self.shared_spec), arrays)  # new clients
+        return self.aggregate_keys(replies, list(self.wire.shared_spec), arrays)  # new clients
 
     def _match(self) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Similarities and weights of the current snapshot; forgets the downlinks built from
@@ -119,14 +119,14 @@ class FactorizedFLStrategy(PersonalizedStrategy):
             rows, weights = self._snapshot
             order = list(rows)
             row = weights[rows[client_id]]
-            for name in self.shared_spec:
+            for name in self.wire.shared_spec:
                 if name not in self._stacked:
                     self._stacked[name] = np.stack([self.latest[c][name].astype(np.float64)
                                                     .ravel() for c in order])
             own = self.latest[client_id]
             self._personal[client_id] = ArrayRecord({name: Array(
                 (row @ self._stacked[name]).reshape(own[name].shape).astype(own[name].dtype))
-                for name in self.shared_spec})
+                for name in self.wire.shared_spec})
         return self._personal[client_id]
 
     def state_tables(self) -> dict[str, Any]:

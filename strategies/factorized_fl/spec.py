@@ -35,8 +35,8 @@ class FactorizedFLSettings(KeyGroup):
     variant: str = key("factorized-fl.variant", choices=("u", "u-paper", "uvm"))
 
 
-class FactorsShared(WireSpec):
-    def __init__(self, model: nn.Module, settings: RunSettings) -> None:
+class FactorsShared(WireSpec[FactorizedFLSettings]):
+    def __init__(self, model: nn.Module, settings: RunSettings[FactorizedFLSettings]) -> None:
         super().__init__(model, settings)
         self.match_key = matching_key(model)
         self.uplink: ArraySpec = {**self.shared_spec,

@@ -9,10 +9,11 @@ both phases (the model is in train mode), as in the paper's code.
 from __future__ import annotations
 
 from models.feddecomp import is_personal_key
+from strategies.feddecomp.spec import FedDecompSettings
 from strategies.training import LocalTraining, train_epochs
 
 
-def train_feddecomp(job: LocalTraining) -> float:
+def train_feddecomp(job: LocalTraining[FedDecompSettings]) -> float:
     lora_epochs = job.settings.method_settings.lora_epochs
     named = list(job.model.named_parameters())
     tau = [p for name, p in named if is_personal_key(name)]

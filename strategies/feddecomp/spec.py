@@ -28,12 +28,12 @@ class FedDecompSettings(KeyGroup):
     bn_stats: str = key("feddecomp.bn-stats", choices=("shared", "personal"))
 
 
-def check(settings: RunSettings, model: nn.Module) -> None:
+def check(settings: RunSettings[FedDecompSettings], model: nn.Module) -> None:
     at_most_local_epochs("feddecomp.lora-epochs", settings.method_settings.lora_epochs,
                          settings.local_epochs)
 
 
-class SigmaShared(WireSpec):
+class SigmaShared(WireSpec[FedDecompSettings]):
     def select_shared(self, model: nn.Module) -> list[str]:
         personal_stats = self.settings.method_settings.bn_stats == "personal"
         return [k for k in state_keys(model) if not is_personal_key(k)

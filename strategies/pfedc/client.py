@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strategies.pfedc.spec import PFedCSettings
 from strategies.training import LocalTraining, sgd
 
 
@@ -53,7 +54,7 @@ def mgda_ub_weights(losses: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(min_norm_weights(gram), dtype=z.dtype, device=z.device)
 
 
-def train_pfedc(job: LocalTraining) -> float:
+def train_pfedc(job: LocalTraining[PFedCSettings]) -> float:
     model, settings = job.model, job.settings
     use_mgda = settings.method_settings.mgda
     optimizer = sgd(model.parameters(), settings)

@@ -20,8 +20,8 @@ from flwr.app import Array, ArrayRecord
 from common.config import RunSettings
 from common.protocol import ClientReply
 from models.pfedc import branch_of_key
-from strategies.personalized import PersonalizedStrategy
-from strategies.pfedc.spec import HeldBranches
+from strategies.engine import Strategy
+from strategies.pfedc.spec import HeldBranches, PFedCSettings
 
 
 def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
@@ -43,20 +43,20 @@ def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
     return averaged
 
 
-class PFedCStrategy(PersonalizedStrategy):
-    checkpointed = (*PersonalizedStrategy.checkpointed, "task_weights", "branches")
-    client_tables = (*PersonalizedStrategy.client_tables, "task_weights", "branches")
+class PFedCStrategy(Strategy[PFedCSettings]):
+    checkpointed = ("task_weights", "branches")
+    client_tables = ("task_weights", "branches")
     wire: HeldBranches
 
-    def __init__(self, settings: RunSettings, initial_arrays: ArrayRecord,
+    def __init__(self, settings: RunSettings[PFedCSettings], initial_arrays: ArrayRecord,
                  wire: HeldBranches) -> None:
         super().__init__(settings, initial_arrays, wire)
         self.keys_of_task = wire.keys_of_task
         self.task_weights: dict[str, list[float]] = {}
         self.branches: dict[str, dict[str, np.ndarray]] = {}
 
-    def aggregate_shared(self, server_round: int, replies: list[ClientReply],
-                         arrays: ArrayRecord) -> ArrayRecord:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply],
+                        arrays: ArrayRecord) -> ArrayRecord:
         phi_keys = self.wire.phi_keys
         phi = self.aggregate_keys(replies, phi_keys, arrays)
         for reply in replies:

@@ -39,13 +39,13 @@ class PFedCSettings(KeyGroup):
     weighting: str = config_key("pfedc.weighting", choices=("uniform", "counts"))
 
 
-def check(settings: RunSettings, model: nn.Module) -> None:
+def check(settings: RunSettings[PFedCSettings], model: nn.Module) -> None:
     _, num_classes = dataset_shape(settings)
     in_range("pfedc.tasks", settings.method_settings.tasks, 0, num_classes)
 
 
-class HeldBranches(WireSpec):
-    def __init__(self, model: nn.Module, settings: RunSettings) -> None:
+class HeldBranches(WireSpec[PFedCSettings]):
+    def __init__(self, model: nn.Module, settings: RunSettings[PFedCSettings]) -> None:
         super().__init__(model, settings)
         self.phi_keys = [k for k in self.shared_keys if branch_of_key(k) is None]
         self.keys_of_task: dict[int, list[str]] = {}

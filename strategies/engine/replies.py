@@ -1,7 +1,5 @@
-"""Sending a batch of messages and reading the replies: the one validation path.
+"""Reading the replies of an exchange: the one validation path.
 
-``exchange`` sends and waits, and maps every reply to the node it answers for (errors made by
-the SuperLink come from node 1, so replies are matched through the ids of the messages sent).
 ``valid_replies`` checks each reply's envelope (``common.protocol.parse_reply``) and, where
 arrays are expected, their keys, shapes, dtypes and values against the method's wire spec; a
 reply that fails is dropped with its reason (log and ``dropped`` in results.json), a node that
@@ -11,13 +9,11 @@ in the same way (``stop_if_every_reply_failed``): then the run stops with that r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from flwr.app import ArrayRecord, Message, MessageType
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, Message
 
+from common.config import RunSettings
 from common.protocol import (
     ArraySpec,
     ClientReply,
@@ -29,10 +25,10 @@ from common.protocol import (
     shared_failure,
     shown,
 )
-from strategies.personalized.accounting import RoundLedger
-from strategies.personalized.identity import NodeDirectory
-
-POLL_SECONDS = 0.2
+from strategies.engine.accounting import RoundLedger
+from strategies.engine.exchange import Exchange
+from strategies.engine.identity import NodeDirectory
+from strategies.engine.robust import ExampleCounts
 
 
 class RunFailedError(RuntimeError):
@@ -42,62 +38,6 @@ class RunFailedError(RuntimeError):
     def __init__(self, reason: str, through_round: int) -> None:
         super().__init__(reason)
         self.through_round = through_round
-
-
-@dataclass
-class Exchange:
-    """One batch: the messages sent and the replies that came back, each with its node."""
-
-    sent: list[Message]
-    replies: list[tuple[int, Message]]
-
-    def by_type(self) -> dict[str, Exchange]:
-        """The batch split by message type (``train`` / ``evaluate``), each reply with the
-        message it answers."""
-        type_of = {m.metadata.dst_node_id: m.metadata.message_type for m in self.sent}
-        return {kind: Exchange([m for m in self.sent if m.metadata.message_type == kind],
-                               [(n, r) for n, r in self.replies if type_of.get(n) == kind])
-                for kind in (MessageType.TRAIN, MessageType.EVALUATE)}
-
-    def missing(self) -> list[int]:
-        """Nodes that were sent a message and did not reply in time."""
-        answered = {node for node, _ in self.replies}
-        return [m.metadata.dst_node_id for m in self.sent
-                if m.metadata.dst_node_id not in answered]
-
-
-def exchange(grid: Grid, messages: list[Message], timeout: float,
-             in_flight: int = 100) -> Exchange:
-    """Send ``messages`` and collect their replies until all are in or ``timeout`` seconds
-    have passed, looking every ``POLL_SECONDS`` (Flower's ``send_and_receive`` looks every
-    3 s in a deployment, so each exchange would end on a 3 s boundary).
-
-    At most ``in_flight`` messages (``max-in-flight``) wait for a reply at a time; the next go
-    out as replies come in. Flower 1.41's simulation scans every stored message for every node
-    ten times a second (``InMemoryLinkState.get_message_ins``), so 1,000 messages pushed at
-    once to 1,000 nodes cost it about a million checks a pass; a bounded window keeps that
-    linear in the nodes."""
-    if not messages:
-        return Exchange([], [])
-    waiting = list(messages)
-    pending: set[str] = set()
-    deadline = time.monotonic() + timeout
-    replies: list[Message] = []
-    while True:
-        if waiting and len(pending) < in_flight:
-            room = in_flight - len(pending)
-            batch, waiting = waiting[:room], waiting[room:]
-            pending.update(grid.push_messages(batch))  # the Grid fills in the message ids
-        arrived = list(grid.pull_messages(pending))
-        replies += arrived
-        pending.difference_update(r.metadata.reply_to_message_id for r in arrived)
-        if (not pending and not waiting) or time.monotonic() >= deadline:
-            break
-        if not arrived or not waiting:
-            time.sleep(min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
-    destination = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-    return Exchange(messages, [(destination.get(r.metadata.reply_to_message_id,
-                                                r.metadata.src_node_id), r) for r in replies])
 
 
 def stop_if_every_reply_failed(exchange_name: str, through_round: int, batch: Exchange,
@@ -185,5 +125,36 @@ def read_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None
     return checked
 
 
-__all__ = ["Exchange", "ReplyError", "RunFailedError", "exchange", "stop_if_every_reply_failed",
-           "valid_replies"]
+class ReplyCheck:
+    """``valid_replies`` with the run's ledger, node directory, timeout and example bounds:
+    what the engine and a method's queries validate with."""
+
+    def __init__(self, settings: RunSettings, ledger: RoundLedger, nodes: NodeDirectory,
+                 example_counts: ExampleCounts) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.nodes = nodes
+        self.example_counts = example_counts
+
+    def valid(self, server_round: int, stage: str, batch: Exchange,
+              metric_keys: tuple[str, ...] | None,
+              expected_arrays: Callable[[ClientReply], ArraySpec] | None = None
+              ) -> list[ClientReply]:
+        """The replies of ``batch`` that pass validation (``metric_keys`` None: a query;
+        ``expected_arrays`` None: the reply must carry no arrays), with train and evaluate
+        example counts bounded by each client's first report (``robust.ExampleCounts``)."""
+        valid = valid_replies(self.ledger, self.nodes, server_round, stage, batch,
+                              metric_keys, self.settings.round_timeout, expected_arrays,
+                              max_examples=self.settings.max_num_examples)
+        if stage in ("train", "evaluate"):
+            self.example_counts.bound(stage, valid)
+        return valid
+
+    def valid_envelopes(self, server_round: int, stage: str, batch: Exchange,
+                        metric_keys: tuple[str, ...]) -> list[ClientReply]:
+        """The replies of ``batch`` whose envelope, identity and metrics pass; their arrays
+        are not read and their example counts not bounded (the evaluation a train reply
+        carries: its arrays are the train stage's business)."""
+        return valid_replies(self.ledger, self.nodes, server_round, stage, batch, metric_keys,
+                             self.settings.round_timeout,
+                             max_examples=self.settings.max_num_examples, read_arrays=False)

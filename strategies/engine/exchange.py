@@ -1,0 +1,127 @@
+"""Sending messages to nodes: one batch at a time (``exchange``), each node its own message
+(``Messenger``).
+
+``exchange`` sends and waits, and maps every reply to the node it answers for (errors made by
+the SuperLink come from node 1, so replies are matched through the ids of the messages sent).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from common.config import RunSettings
+from common.protocol import ARRAYS, CONFIG, EVALUATE_FIRST, SERVER_ROUND
+from strategies.engine.accounting import RoundLedger
+
+POLL_SECONDS = 0.2
+Downlink = Callable[[int, str | None, ArrayRecord], ArrayRecord]
+"""(round, client id or None, the shared arrays) -> what that client receives."""
+
+
+@dataclass
+class Exchange:
+    """One batch: the messages sent and the replies that came back, each with its node."""
+
+    sent: list[Message]
+    replies: list[tuple[int, Message]]
+
+    def by_type(self) -> dict[str, Exchange]:
+        """The batch split by message type (``train`` / ``evaluate``), each reply with the
+        message it answers."""
+        type_of = {m.metadata.dst_node_id: m.metadata.message_type for m in self.sent}
+        return {kind: Exchange([m for m in self.sent if m.metadata.message_type == kind],
+                               [(n, r) for n, r in self.replies if type_of.get(n) == kind])
+                for kind in (MessageType.TRAIN, MessageType.EVALUATE)}
+
+    def missing(self) -> list[int]:
+        """Nodes that were sent a message and did not reply in time."""
+        answered = {node for node, _ in self.replies}
+        return [m.metadata.dst_node_id for m in self.sent
+                if m.metadata.dst_node_id not in answered]
+
+
+def exchange(grid: Grid, messages: list[Message], timeout: float,
+             in_flight: int = 100) -> Exchange:
+    """Send ``messages`` and collect their replies until all are in or ``timeout`` seconds
+    have passed, looking every ``POLL_SECONDS`` (Flower's ``send_and_receive`` looks every
+    3 s in a deployment, so each exchange would end on a 3 s boundary).
+
+    At most ``in_flight`` messages (``max-in-flight``) wait for a reply at a time; the next go
+    out as replies come in. Flower 1.41's simulation scans every stored message for every node
+    ten times a second (``InMemoryLinkState.get_message_ins``), so 1,000 messages pushed at
+    once to 1,000 nodes cost it about a million checks a pass; a bounded window keeps that
+    linear in the nodes."""
+    if not messages:
+        return Exchange([], [])
+    waiting = list(messages)
+    pending: set[str] = set()
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    while True:
+        if waiting and len(pending) < in_flight:
+            room = in_flight - len(pending)
+            batch, waiting = waiting[:room], waiting[room:]
+            pending.update(grid.push_messages(batch))  # the Grid fills in the message ids
+        arrived = list(grid.pull_messages(pending))
+        replies += arrived
+        pending.difference_update(r.metadata.reply_to_message_id for r in arrived)
+        if (not pending and not waiting) or time.monotonic() >= deadline:
+            break
+        if not arrived or not waiting:
+            time.sleep(min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+    destination = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+    return Exchange(messages, [(destination.get(r.metadata.reply_to_message_id,
+                                                r.metadata.src_node_id), r) for r in replies])
+
+
+@dataclass
+class Messenger:
+    """Every message the engine sends: one per node with that client's own downlink, the
+    exchange that sends a batch and waits for its replies, and a method's queries; the bytes
+    down and the waits go into the ledger."""
+
+    settings: RunSettings
+    ledger: RoundLedger
+    downlink: Downlink
+    # added to every train/evaluate message's config (a resumed run's lineage: server_app)
+    message_config: dict[str, Any] = field(default_factory=dict)
+
+    def address(self, server_round: int, clients: dict[int, str | None], arrays: ArrayRecord,
+                message_type: str, config_round: int,
+                evaluate_first: set[int] | frozenset[int] = frozenset()) -> list[Message]:
+        """One message per node (``clients``: node -> client id) with its own downlink, the
+        run's ``message_config`` and ``server-round = config_round`` (and, for the nodes in
+        ``evaluate_first``, the fused-evaluation flag); the arrays' bytes go into round
+        ``server_round``'s downlink count."""
+        messages = [Message(RecordDict({   # a fresh RecordDict per node: never shared
+            ARRAYS: self.downlink(server_round, client_id, arrays),
+            CONFIG: ConfigRecord({**self.message_config, SERVER_ROUND: config_round,
+                                  **({EVALUATE_FIRST: True} if node_id in evaluate_first
+                                     else {})}),
+        }), dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
+            for node_id, client_id in clients.items()]
+        self.ledger.downlink(server_round, messages)
+        return messages
+
+    def send(self, grid: Grid, messages: list[Message]) -> Exchange:
+        """One exchange; its wait goes into the round of its messages (``group_id``)."""
+        started = time.perf_counter()
+        batch = exchange(grid, messages, self.settings.round_timeout,
+                         self.settings.max_in_flight)
+        if messages:
+            self.ledger.exchanged(int(messages[0].metadata.group_id),
+                                  time.perf_counter() - started)
+        return batch
+
+    def query(self, grid: Grid, contents: dict[int, RecordDict]) -> Exchange:
+        """One ``query`` message per node (``contents``: node -> content with an ``action``
+        in its ``config`` record); the replies that arrived in time."""
+        return exchange(grid, [Message(content, dst_node_id=node, message_type=MessageType.QUERY)
+                               for node, content in contents.items()],
+                        self.settings.round_timeout, self.settings.max_in_flight)
