@@ -137,6 +137,9 @@ MethodSettingsT = TypeVar("MethodSettingsT", bound=KeyGroup | None)
 """A method's own settings type (its ``KeyGroup``; ``None`` for a method without keys): what
 ``RunSettings``, ``LocalTraining``, ``WireSpec``, the strategy and the ``Method`` record are
 generic in, so that a method's rules are typed against its own keys."""
+# ``RunSettings.with_method`` turns a ``RunSettings[A]`` into a ``RunSettings[B]``: it needs a
+# type variable of its own, not the class's.
+SettingsT = TypeVar("SettingsT", bound=KeyGroup | None)
 
 
 def node_owners(text: str) -> dict[str, set[str]]:
@@ -149,9 +152,6 @@ def node_owners(text: str) -> dict[str, set[str]]:
             raise ConfigError(f"identity.node-owners: {item!r} is not <node name>=<client id>")
         owners.setdefault(name, set()).add(client_id)
     return owners
-
-
-SettingsT = TypeVar("SettingsT", bound=KeyGroup | None)
 
 
 def at_most_local_epochs(name: str, epochs: int, local_epochs: int) -> None:

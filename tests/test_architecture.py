@@ -174,3 +174,15 @@ def test_every_key_is_declared_once_and_defaulted_only_in_pyproject():
     # every default parses as its declaration says
     for group in _key_groups():
         group.parse(defaults)
+
+
+def test_the_engine_implements_every_hook_the_protocol_documents():
+    """``engine/hooks.py`` is where a method's author reads the hooks: each one has its
+    default on ``Strategy`` (a renamed or dropped hook fails here, not in a method)."""
+    from strategies.engine import Strategy
+    from strategies.engine.hooks import MethodHooks
+
+    documented = {name for name in vars(MethodHooks) if not name.startswith("_")}
+    documented |= set(MethodHooks.__annotations__)
+    assert documented and all(hasattr(Strategy, name) for name in documented), sorted(
+        name for name in documented if not hasattr(Strategy, name))
