@@ -186,3 +186,18 @@ def test_the_engine_implements_every_hook_the_protocol_documents():
     documented |= set(MethodHooks.__annotations__)
     assert documented and all(hasattr(Strategy, name) for name in documented), sorted(
         name for name in documented if not hasattr(Strategy, name))
+
+
+def test_methods_override_hooks_only_never_an_engine_stage():
+    """A method changes the round through ``MethodHooks`` alone: whatever of ``Strategy`` its
+    server rule redefines is a hook (its constructor aside)."""
+    from strategies.engine import Strategy
+    from strategies.engine.hooks import MethodHooks
+
+    hooks = {name for name in vars(MethodHooks) if not name.startswith("_")}
+    hooks |= set(MethodHooks.__annotations__)
+    for method in REGISTRY.values():
+        redefined = {name for cls in method.strategy.__mro__ if cls is not Strategy
+                     and issubclass(cls, Strategy) for name in vars(cls)
+                     if not name.startswith("__") and hasattr(Strategy, name)}
+        assert redefined <= hooks, (method.strategy.__name__, sorted(redefined - hooks))

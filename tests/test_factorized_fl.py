@@ -253,3 +253,30 @@ def test_real_rounds_uplink_bytes_and_personal_u(federation, tmp_path):
     assert not np.allclose(weights[0], weights[1])  # different matches -> different u
     assert rounds[1]["bytes_down_train"] == rounds[0]["bytes_down_train"]
     assert matching_key(model) == "body.9.v"  # the Linear before the classifier
+
+
+def test_an_expired_client_leaves_the_matching_of_the_others():
+    """Client 0 is not heard from for ``identity.expire-rounds`` rounds: its upload is
+    forgotten, and the others' downlinks are their weighted averages over the rest only."""
+    settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": 0.0,
+                                           "identity.expire-rounds": 1}))
+    arrays = initial_state(settings).arrays
+    strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
+    rng = np.random.default_rng(2)
+    replies = [_upload(settings, str(c), rng, 5) for c in range(3)]
+    strategy.aggregate_train(1, replies, arrays)
+    before = strategy.downlink(2, "1", arrays)
+    strategy.nodes.last_seen.update({"0": 1, "1": 3, "2": 3})
+    strategy.forget_expired(3)
+    assert sorted(strategy.latest) == ["1", "2"]
+    clients, _, weights = matching_weights(
+        {r.client_id: r.arrays[strategy.match_key].numpy() for r in replies[1:]},
+        strategy.tau, strategy.epsilon)
+    after = strategy.downlink(3, "1", arrays)
+    row = weights[clients.index("1")]
+    for key in arrays:
+        expected = sum(w * r.arrays[key].numpy().astype(np.float64)
+                       for w, r in zip(row, replies[1:], strict=True))
+        np.testing.assert_allclose(after[key].numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(after[next(iter(arrays))].numpy(),
+                              before[next(iter(arrays))].numpy())

@@ -61,6 +61,11 @@ class MethodHooks(Protocol):
         into results.json."""
         ...
 
+    def client_tables_changed(self) -> None:
+        """The ``checkpointed`` tables were just restored from a checkpoint, or a client id
+        expired and its entries left the ``client_tables``: rebuild what is derived from
+        them (Factorized-FL's similarity matching)."""
+
     def state_tables(self) -> dict[str, Any]:
         """Server-side per-client tables, keyed by client id, shown under ``server_state``
         in results.json."""

@@ -91,6 +91,9 @@ class Strategy(Generic[MethodSettingsT]):
     def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
         return None
 
+    def client_tables_changed(self) -> None:
+        return None
+
     def state_tables(self) -> dict[str, Any]:
         return {}
 
@@ -173,13 +176,16 @@ class Strategy(Generic[MethodSettingsT]):
     def forget_expired(self, server_round: int) -> None:
         """Drop the per-client tables of client ids not heard from for
         ``identity.expire-rounds`` rounds."""
-        for client_id in self.nodes.expire(server_round):
+        expired = self.nodes.expire(server_round)
+        for client_id in expired:
             self.evaluation.per_client_accuracy.pop(client_id, None)
             for name in self.client_tables:
                 getattr(self, name).pop(client_id, None)
             self.example_counts.pinned.pop(client_id, None)
             log(INFO, "round %d: client id %s expired (not heard from for %d rounds)",
                 server_round, client_id, self.settings.expire_rounds)
+        if expired:
+            self.client_tables_changed()
 
     def admit_and_sample(self, grid: Grid, server_round: int, arrays: ArrayRecord,
                          fraction: float, stage: str) -> Drawn:
@@ -228,3 +234,4 @@ class Strategy(Generic[MethodSettingsT]):
             setattr(self, name, state[name])
         self.nodes.last_seen = dict(state.get("last_seen", {}))
         self.example_counts.pinned = dict(state.get("example_counts", {}))
+        self.client_tables_changed()

@@ -97,19 +97,12 @@ class FactorizedFLStrategy(Strategy[FactorizedFLSettings]):
         self._stacked, self._personal = {}, {}
         return clients, similarity, weights
 
-    def restore_state(self, state: dict[str, Any]) -> None:
-        super().restore_state(state)
+    def client_tables_changed(self) -> None:
+        """Restored uploads, or an expired client gone from them: a new snapshot."""
         if self.latest:
             self._match()
-
-    def forget_expired(self, server_round: int) -> None:
-        known = len(self.latest)
-        super().forget_expired(server_round)
-        if len(self.latest) != known:  # an expired client leaves the snapshot
-            if self.latest:
-                self._match()
-            else:
-                self._snapshot = None
+        else:
+            self._snapshot, self._stacked, self._personal = None, {}, {}
 
     def downlink(self, server_round: int, client_id: str | None,
                  arrays: ArrayRecord) -> ArrayRecord:
