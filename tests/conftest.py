@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common.config import app_defaults, app_packages
-from launch.federation import LocalFederation
+from launch.federation import FlowerRun, LocalFederation
+from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest hook)
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_PACKAGES = app_packages(ROOT)
@@ -51,9 +52,53 @@ def make_client(partition: int, run_config: dict[str, Any], **node: Any):
 
 @pytest.fixture(scope="session")
 def federation():
-    """One private simulation SuperLink for the whole session, stopped at the end."""
+    """One private simulation SuperLink for the whole session (of each pytest worker),
+    stopped at the end."""
     with LocalFederation() as fed:
         yield fed
+
+
+# The reference run: the fewest rounds and clients in which round r's evaluation rides in round
+# r+1's messages and one round follows another with state carried over; two local epochs, so
+# that a two-phase local rule (FedRep, FedDecomp) runs both phases.
+REFERENCE = {"num-server-rounds": 3, "local-epochs": 2, "plot": False}
+REFERENCE_CLIENTS = 3
+
+
+class SharedRuns:
+    """Real runs shared among the tests that only read their results: one ``flwr run`` per
+    distinct run config and federation size, made when a test first asks for it.
+
+    With several pytest workers the tests that use it run in one (``tests/grouping.py``), so
+    each run is still made once."""
+
+    def __init__(self, federation: LocalFederation, directory: Path) -> None:
+        self.federation, self.directory = federation, directory
+        self._runs: dict[str, tuple[FlowerRun, Path]] = {}
+
+    def get(self, config: dict[str, Any], num_supernodes: int = REFERENCE_CLIENTS
+            ) -> tuple[FlowerRun, Path]:
+        """The run of ``config`` (no ``output-dir``: each run gets its own) and its output
+        folder; ``run.ok`` is for the caller to assert."""
+        key = json.dumps([config, num_supernodes], sort_keys=True)
+        if key not in self._runs:
+            out = self.directory / f"run-{len(self._runs)}"
+            run = self.federation.run(ROOT, {**config, "output-dir": str(out)},
+                                      num_supernodes=num_supernodes)
+            self._runs[key] = (run, out)
+        return self._runs[key]
+
+    def reference(self, method: str, **overrides: Any) -> tuple[FlowerRun, dict[str, Any]]:
+        """The reference run of ``method`` (``REFERENCE``, ``REFERENCE_CLIENTS`` clients)
+        with ``overrides``: the run, checked to have completed, and its results."""
+        run, out = self.get({**REFERENCE, "method": method, **overrides})
+        assert run.ok, run.output[-3000:]
+        return run, read_results(out)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(federation, tmp_path_factory) -> SharedRuns:
+    return SharedRuns(federation, tmp_path_factory.mktemp("shared-runs"))
 
 
 def copy_app(dest: Path) -> Path:

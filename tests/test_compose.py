@@ -18,7 +18,8 @@ import pytest
 from tests.compose_stack import ComposeStack, DockerUnavailableError
 from tests.conftest import read_results, run_in_background, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.compose]
+# one pytest worker runs both: each may install and start the Docker engine it then stops
+pytestmark = [pytest.mark.integration, pytest.mark.compose, pytest.mark.xdist_group("docker")]
 ROOT = Path(__file__).resolve().parents[1]
 SITES = ["site-0", "site-1", "site-2"]
 CONFIG = {"method": "fedper", "dataset": "digits", "num-server-rounds": 3, "local-epochs": 1,

@@ -16,9 +16,7 @@ from models.feddecomp import DecomposedConv2d, DecomposedLinear, is_personal_key
 from strategies.feddecomp.server import FedDecompStrategy
 from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining
-from tests.conftest import app_config, moves_per_epoch, read_results
-
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+from tests.conftest import REFERENCE_CLIENTS, app_config, moves_per_epoch
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -183,16 +181,11 @@ def test_config_checks():
 
 
 @pytest.mark.integration
-def test_real_round_sends_fedavg_bytes_and_no_tau(federation, tmp_path):
-    config = {"num-server-rounds": 2, "local-epochs": 2, "plot": False}
+def test_real_round_sends_fedavg_bytes_and_no_tau(shared_runs):
     bytes_up = {}
     for method in ("fedavg", "feddecomp"):
-        out = tmp_path / method
-        run = federation.run(ROOT, {**config, "method": method, "output-dir": str(out)},
-                             num_supernodes=3)
-        assert run.ok, run.output[-3000:]
-        results = read_results(out)
+        _, results = shared_runs.reference(method)
         assert all("dropped" not in r for r in results["rounds"])  # keys == sigma keys
-        assert all(r["train"]["num_clients"] == 3 for r in results["rounds"])
+        assert all(r["train"]["num_clients"] == REFERENCE_CLIENTS for r in results["rounds"])
         bytes_up[method] = [r["bytes_up"] for r in results["rounds"]]
     assert bytes_up["feddecomp"] == bytes_up["fedavg"]

@@ -8,7 +8,14 @@ import pytest
 from flwr.app import ArrayRecord
 
 from strategies.registry import build_model, load_settings
-from tests.conftest import app_config, check_results_schema, copy_app, read_results
+from tests.conftest import (
+    REFERENCE,
+    REFERENCE_CLIENTS,
+    app_config,
+    check_results_schema,
+    copy_app,
+    read_results,
+)
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,11 +28,10 @@ def quick(out_dir: Path, **overrides) -> dict:
 
 
 @pytest.mark.parametrize("method", BASELINES)
-def test_baseline_runs_two_rounds_with_four_clients(federation, tmp_path, method):
-    run = federation.run(ROOT, quick(tmp_path, method=method), num_supernodes=4)
-    assert run.ok, run.output[-3000:]
-    results = read_results(tmp_path)
-    check_results_schema(results, method, num_rounds=2, num_clients=4)
+def test_baseline_runs_its_rounds_with_every_client(shared_runs, method):
+    run, results = shared_runs.reference(method)
+    check_results_schema(results, method, num_rounds=REFERENCE["num-server-rounds"],
+                         num_clients=REFERENCE_CLIENTS)
     assert "[progress] round   2" in run.output
     rounds = results["rounds"]
     if method == "local":
@@ -37,19 +43,14 @@ def test_baseline_runs_two_rounds_with_four_clients(federation, tmp_path, method
         assert all(r["bytes_up"] == r["bytes_down_train"] for r in rounds)
 
 
-def test_shared_bytes_match_the_shared_keys(federation, tmp_path):
+def test_shared_bytes_match_the_shared_keys(shared_runs):
     """FedPer sends exactly FedAvg's payload minus the head, counted by count_bytes()."""
-    sizes = {}
-    for method in ("fedavg", "fedper"):
-        out = tmp_path / method
-        run = federation.run(ROOT, quick(out, method=method, **{"num-server-rounds": 1}),
-                             num_supernodes=2)
-        assert run.ok, run.output[-3000:]
-        sizes[method] = read_results(out)["rounds"][0]["bytes_up"]
+    sizes = {method: shared_runs.reference(method)[1]["rounds"][0]["bytes_up"]
+             for method in ("fedavg", "fedper")}
     model = build_model(load_settings({**app_config(), "method": "fedavg"}))
     head = ArrayRecord({k: v for k, v in model.state_dict().items() if k.startswith("head.")})
     assert head.count_bytes() > (128 * 10 + 10) * 4  # cnn head: Linear(128, 10), float32
-    assert sizes["fedavg"] - sizes["fedper"] == 2 * head.count_bytes()  # two clients
+    assert sizes["fedavg"] - sizes["fedper"] == REFERENCE_CLIENTS * head.count_bytes()
 
 
 FAULTY_CLIENT = '''
@@ -120,19 +121,15 @@ def test_unknown_method_or_dataset_fails_at_start(federation, tmp_path, key, val
     assert not (tmp_path / "results.json").exists()
 
 
-def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(federation, tmp_path):
-    base = {"method": "fedavg", "local-epochs": 1, "plot": False}
-    full, first, resumed = tmp_path / "full", tmp_path / "first", tmp_path / "resumed"
-    runs = [federation.run(ROOT, {**base, "num-server-rounds": 4, "output-dir": str(full)},
-                           num_supernodes=3),
-            federation.run(ROOT, {**base, "num-server-rounds": 2, "output-dir": str(first)},
-                           num_supernodes=3),
-            federation.run(ROOT, {**base, "num-server-rounds": 4, "output-dir": str(resumed),
-                                  "resume-from": str(first)}, num_supernodes=3)]
-    assert all(run.ok for run in runs), [r.output[-2000:] for r in runs if not r.ok]
-    assert "[resume] from round 2" in runs[2].output
-    expected, got = read_results(full), read_results(resumed)
-    assert [r["round"] for r in got["rounds"]] == [1, 2, 3, 4]
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(shared_runs):
+    rounds = REFERENCE["num-server-rounds"]
+    _, expected = shared_runs.reference("fedavg")
+    first, first_out = shared_runs.get({**REFERENCE, "method": "fedavg",
+                                        "num-server-rounds": rounds - 1})
+    assert first.ok, first.output[-3000:]
+    resumed, got = shared_runs.reference("fedavg", **{"resume-from": str(first_out)})
+    assert f"[resume] from round {rounds - 1}" in resumed.output
+    assert [r["round"] for r in got["rounds"]] == list(range(1, rounds + 1))
     for a, b in zip(expected["rounds"], got["rounds"], strict=True):
         assert a["eval"]["per_client"] == b["eval"]["per_client"]
         assert a["train"]["loss"] == b["train"]["loss"]
@@ -140,17 +137,15 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(federation, tmp_pa
     assert expected["final"]["accuracy_weighted"] == got["final"]["accuracy_weighted"]
 
 
-def test_a_window_of_one_message_in_flight_gives_the_same_run(federation, tmp_path):
+def test_a_window_of_one_message_in_flight_gives_the_same_run(shared_runs):
     """``max-in-flight = 1``: every exchange sends its messages one after another, each once
     the previous one is answered; every round reaches every client and the results equal a
-    run that sends them all at once."""
-    results = {}
-    for window in (1, 100):
-        out = tmp_path / str(window)
-        run = federation.run(ROOT, quick(out, **{"max-in-flight": window}), num_supernodes=4)
-        assert run.ok, run.output[-3000:]
-        results[window] = read_results(out)["rounds"]
-    for one, many in zip(results[1], results[100], strict=True):
+    run that sends them all at once (the default window is wider than the federation)."""
+    assert app_config()["max-in-flight"] > REFERENCE_CLIENTS
+    one_at_a_time = shared_runs.reference("fedavg", **{"max-in-flight": 1})[1]["rounds"]
+    all_at_once = shared_runs.reference("fedavg")[1]["rounds"]
+    for one, many in zip(one_at_a_time, all_at_once, strict=True):
         assert one["train"] == many["train"]
         assert one["eval"]["per_client"] == many["eval"]["per_client"]
-        assert one["eval"]["num_clients"] == 4 and not one.get("dropped")
+        assert one["eval"]["num_clients"] == REFERENCE_CLIENTS and not one.get("dropped")
+
