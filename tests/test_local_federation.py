@@ -97,3 +97,18 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert all(20_000 <= p < _ephemeral_low() for p in ports)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_ray_head_stops_every_process_it_started():
+    from launch.ray_head import RayHead
+
+    with RayHead(num_cpus=1) as head:
+        started = _group_members(descendant_groups(head.process.pid) | {head.process.pid})
+        assert any("gcs_server" in _cmdline(p) for p in started)
+        temp_dir = head.temp_dir
+    time.sleep(2)
+    left = {p: _cmdline(p) for p in _alive(started)}
+    assert not left, f"left running: {left}"
+    assert not temp_dir.exists()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from flwr.app import ArrayRecord
 
+from launch.federation import LocalFederation
 from strategies.registry import build_model, load_settings
 from tests.conftest import (
     REFERENCE,
@@ -149,3 +150,19 @@ def test_a_window_of_one_message_in_flight_gives_the_same_run(shared_runs):
         assert one["eval"]["per_client"] == many["eval"]["per_client"]
         assert one["eval"]["num_clients"] == REFERENCE_CLIENTS and not one.get("dropped")
 
+
+def test_a_warm_run_equals_a_cold_run_of_the_same_seed(shared_runs, tmp_path):
+    """The session's runs join one Ray head kept up between them (``launch/ray_head.py``);
+    a cold run (its own SuperLink, and a private Ray instance started and stopped with it) of
+    the same config gives the same results."""
+    assert shared_runs.federation.ray_address is not None  # the shared runs are warm
+    warm = shared_runs.reference("fedavg")[1]
+    with LocalFederation() as cold_federation:
+        cold = cold_federation.run(ROOT, {**REFERENCE, "method": "fedavg",
+                                          "output-dir": str(tmp_path)},
+                                   num_supernodes=REFERENCE_CLIENTS)
+    assert cold.ok, cold.output[-3000:]
+    for a, b in zip(warm["rounds"], read_results(tmp_path)["rounds"], strict=True):
+        assert a["eval"]["per_client"] == b["eval"]["per_client"]
+        assert a["train"] == b["train"]
+        assert (a["bytes_up"], a["bytes_down"]) == (b["bytes_up"], b["bytes_down"])

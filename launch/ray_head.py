@@ -1,0 +1,84 @@
+"""A one-node Ray cluster that outlives runs, so that runs one after another skip Ray's start.
+
+Without it every simulation's ``flwr-simulation`` process starts a private Ray instance and
+shuts it down at the end. Started once (``ray start --head --block`` on a free port, in a
+short private temp folder) and handed to ``LocalFederation(ray_address=head.address)``, the
+runs join it instead (Flower's existing-cluster path, docs/scaling.md); their actors are
+still their own (a run's Ray job ends with it).
+
+    with RayHead() as head, LocalFederation(ray_address=head.address) as federation:
+        for config in configs:
+            federation.run(".", config)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from launch.federation import descendant_groups, free_port
+
+STARTED = "Ray runtime started."
+WARM_UP = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
+           "ray.get(ray.remote(lambda: 0).remote()); ray.shutdown()")
+
+
+class RayHead:
+    """``ray start --head --block`` on a free port (context manager); stopped, with every
+    process it started, on exit."""
+
+    def __init__(self, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        # Ray's unix sockets live under the temp folder: their paths must stay short
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+        self.log = self.temp_dir / "ray-head.log"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> RayHead:
+        resources = [f"--num-cpus={self.num_cpus}"] if self.num_cpus is not None else []
+        resources += [f"--num-gpus={self.num_gpus}"] if self.num_gpus is not None else []
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [str(Path(sys.executable).parent / "ray"), "start", "--head",
+                 f"--port={self.port}", "--include-dashboard=false", "--disable-usage-stats",
+                 f"--temp-dir={self.temp_dir}", *resources, "--block"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        deadline = time.monotonic() + 120
+        while STARTED not in self.log.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"ray start --head failed: {' '.join(tail) or 'no output'}")
+            time.sleep(0.2)
+        # The first driver that joins a fresh head waits for what the head still starts (its
+        # workers); a run's flwr-simulation process that waited for it on a busy machine
+        # sent no heartbeat to its SuperLink for a minute and was failed. A trial driver
+        # waits for it here instead.
+        subprocess.run([sys.executable, "-c", WARM_UP, self.address], check=True,
+                       timeout=300, capture_output=True,
+                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            # --block: on SIGTERM `ray start` stops its node's processes; any left (workers
+            # in a group of their own) are stopped by group
+            groups = ({self.process.pid} | descendant_groups(self.process.pid)) - {
+                os.getpgrp()}
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
+                for group in groups:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(group, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(wait)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
