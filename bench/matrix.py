@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.evidence.cells import Matrix, run, select  # noqa: E402
 from bench.evidence.protocol import ABLATIONS, COMMON, SCENARIOS, pool_file  # noqa: E402
 from bench.evidence.report import write_report  # noqa: E402
-from launch.federation import LocalFederation  # noqa: E402
+from launch.ray_head import warm_federation  # noqa: E402
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
     command = "python bench/matrix.py"
     only = [o for o in args.only.split(",") if o]
     if not args.write_only:
-        with LocalFederation() as federation:
+        with warm_federation() as federation:
             matrix = Matrix(federation, common)
             if not args.ablations:
                 run(matrix, select(args.scenarios.split(","), only), args.stage)

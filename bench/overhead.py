@@ -1,22 +1,32 @@
-"""The app's overhead: FedAvg through ``flwr run`` against a bare in-process PyTorch loop.
+"""A run's fixed cost, cold and warm, and the app's overhead against a bare PyTorch loop.
 
-    python bench/overhead.py --rounds 5 --supernodes 10
+    python bench/overhead.py --rounds 2 --supernodes 10 --repeats 3
 
-Both sides use the same clients (data partitions), the same seeded model, the same local
-training rule and the same personalized evaluation; the bare loop averages the state dicts
-in-process with no Flower at all. Reports wall time of the whole ``flwr run`` (SuperLink
-already up; Ray start-up, app install and all rounds included), the steady-state seconds
-per round (rounds 2..), and their ratios to the bare loop. Writes ``bench/results/overhead.md``.
+FedAvg on digits. Three ways to run the same rounds, each ``--repeats`` times, medians:
+
+- bare: the same clients (data partitions), seeded model, local rule and personalized
+  evaluation in one process, state dicts averaged in-process, no Flower at all;
+- cold: ``bash scripts/demo.sh`` as a user types it (SUPERNODES set): environment check,
+  a private SuperLink started and stopped, a private Ray instance inside the run;
+- warm: runs one after another on one SuperLink and one Ray head kept up between them
+  (``launch/ray_head.py``, as the test session runs them); the first warm run after the
+  head starts is left out.
+
+A run's fixed cost is its wall time minus the sum of its rounds' seconds (``results.json``).
+Writes ``bench/results/overhead.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -28,7 +38,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from client_app.runtime import Client  # noqa: E402
 from common.config import app_defaults  # noqa: E402
-from launch.federation import LocalFederation  # noqa: E402
+from launch.ray_head import warm_federation  # noqa: E402
 from strategies.registry import build_model  # noqa: E402
 from strategies.training import LocalTraining, evaluate  # noqa: E402
 
@@ -65,41 +75,81 @@ def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
     return seconds
 
 
+def rounds_seconds(out: Path) -> float:
+    return sum(r["seconds"] for r in json.loads((out / "results.json").read_text())["rounds"])
+
+
+def cold_run(config: dict, supernodes: int, out: Path) -> tuple[float, float]:
+    """``bash scripts/demo.sh`` with ``config``: (wall seconds, seconds of its rounds)."""
+    overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                 for k, v in {**config, "output-dir": out}.items()]
+    start = time.perf_counter()
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), *overrides],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "SUPERNODES": str(supernodes)})
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+    return wall, rounds_seconds(out)
+
+
+def warm_runs(config: dict, supernodes: int, count: int, tmp: Path
+              ) -> list[tuple[float, float]]:
+    """``count`` runs on one SuperLink and one Ray head, after a first one left out."""
+    timed = []
+    with warm_federation() as federation:
+        for index in range(count + 1):
+            out = tmp / f"warm-{index}"
+            start = time.perf_counter()
+            run = federation.run(ROOT, {**config, "output-dir": str(out)},
+                                 num_supernodes=supernodes)
+            wall = time.perf_counter() - start
+            if not run.ok:
+                raise SystemExit(run.output[-3000:])
+            if index:
+                timed.append((wall, rounds_seconds(out)))
+    return timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--supernodes", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    config = {"method": "fedavg", "num-server-rounds": args.rounds, "plot": False}
+
     torch.set_num_threads(1)  # as each Ray ClientApp worker (client-resources-num-cpus=1)
-    run_config = {"method": "fedavg", "num-server-rounds": args.rounds, "plot": False}
-
-    bare_start = time.perf_counter()
-    bare = bare_loop(run_config, args.supernodes, args.rounds)
-    bare_total = time.perf_counter() - bare_start
-
-    with tempfile.TemporaryDirectory() as out, LocalFederation() as federation:
+    bare = []
+    for _ in range(args.repeats):
         start = time.perf_counter()
-        run = federation.run(ROOT, {**run_config, "output-dir": out},
-                             num_supernodes=args.supernodes)
-        flower_total = time.perf_counter() - start
-        if not run.ok:
-            raise SystemExit(run.output[-3000:])
-        flower = [r["seconds"] for r in json.loads((Path(out) / "results.json").read_text())[
-            "rounds"]]
+        seconds = bare_loop(config, args.supernodes, args.rounds)
+        bare.append((time.perf_counter() - start, sum(seconds)))
+    with tempfile.TemporaryDirectory() as tmp:
+        cold = [cold_run(config, args.supernodes, Path(tmp) / f"cold-{i}")
+                for i in range(args.repeats)]
+        warm = warm_runs(config, args.supernodes, args.repeats, Path(tmp))
 
-    steady_bare = sum(bare[1:]) / max(len(bare) - 1, 1)
-    steady_flower = sum(flower[1:]) / max(len(flower) - 1, 1)
-    table = (
-        "| | bare PyTorch loop | flwr run (simulation) | ratio |\n|---|---|---|---|\n"
-        f"| wall time, {args.rounds} rounds | {bare_total:.1f} s | {flower_total:.1f} s | "
-        f"{flower_total / bare_total:.1f}x |\n"
-        f"| rounds only (sum) | {sum(bare):.1f} s | {sum(flower):.1f} s | "
-        f"{sum(flower) / sum(bare):.1f}x |\n"
-        f"| steady round (mean of rounds 2..) | {steady_bare:.2f} s | {steady_flower:.2f} s | "
-        f"{steady_flower / steady_bare:.1f}x |\n")
-    command = f"python bench/overhead.py --rounds {args.rounds} --supernodes {args.supernodes}"
-    write_report("overhead", f"Overhead of the Flower app (FedAvg, digits, {args.supernodes} "
-                 "clients)", command, table)
+    bare_rounds = median(r for _, r in bare)
+    rows = []
+    for name, runs in (("bare PyTorch loop", bare), ("cold: `bash scripts/demo.sh`", cold),
+                       ("warm: kept SuperLink and Ray head", warm)):
+        wall, rounds = median(w for w, _ in runs), median(r for _, r in runs)
+        fixed = median(w - r for w, r in runs)
+        rows.append(f"| {name} | {wall:.1f} s | {rounds:.1f} s | {fixed:.1f} s | "
+                    f"{rounds / bare_rounds:.1f}x |")
+    table = ("| how | wall time | its rounds (sum) | fixed cost (wall - rounds) | rounds / bare "
+             "rounds |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+             f"Medians of {args.repeats} repeats each; every run's wall and rounds: bare "
+             f"{_pairs(bare)}; cold {_pairs(cold)}; warm {_pairs(warm)}.\n")
+    command = (f"python bench/overhead.py --rounds {args.rounds} --supernodes "
+               f"{args.supernodes} --repeats {args.repeats}")
+    write_report("overhead", f"A run's fixed cost (FedAvg, digits, {args.supernodes} clients, "
+                 f"{args.rounds} rounds)", command, table)
+
+
+def _pairs(runs: list[tuple[float, float]]) -> str:
+    return ", ".join(f"{w:.1f}/{r:.1f} s" for w, r in runs)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from bench.evidence.cells import Matrix  # noqa: E402
 from bench.evidence.protocol import COMMON, SCENARIOS, cell_path, pool_file  # noqa: E402
 from bench.report import RESULTS, write_report  # noqa: E402
-from launch.federation import LocalFederation  # noqa: E402
+from launch.ray_head import warm_federation  # noqa: E402
 
 SCENARIO = "dirichlet-0.1"
 SEED = 1
@@ -53,7 +53,7 @@ def main() -> None:
     common = {**COMMON, "dataset": str(pool_file())}
     stored_matrix = Matrix(None, common)
     lines = ["| row | configuration | stored | re-run | identical |", "|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp, LocalFederation() as federation:
+    with tempfile.TemporaryDirectory() as tmp, warm_federation() as federation:
         fresh_matrix = Matrix(federation, common, out=Path(args.out or tmp))
         for item in entries:
             config = stored_config(item.label)

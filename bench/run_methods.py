@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, write_report  # noqa: E402
-from launch.federation import LocalFederation  # noqa: E402
+from launch.ray_head import warm_federation  # noqa: E402
 
 MB = 1024**2
 
@@ -129,7 +129,7 @@ def run_methods(entries: list[str], overrides: dict[str, Any], supernodes: int
                 ) -> list[dict[str, Any]]:
     """Run each ``--methods`` entry on one private SuperLink; one summary row per run."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-") as tmp, LocalFederation() as fed:
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp, warm_federation() as fed:
         for i, entry in enumerate(entries):
             label, method, extra = parse_entry(entry)
             out = Path(tmp) / f"{i}-{method}"

@@ -6,7 +6,7 @@ short private temp folder) and handed to ``LocalFederation(ray_address=head.addr
 runs join it instead (Flower's existing-cluster path, docs/scaling.md); their actors are
 still their own (a run's Ray job ends with it).
 
-    with RayHead() as head, LocalFederation(ray_address=head.address) as federation:
+    with warm_federation() as federation:  # RayHead() + LocalFederation(ray_address=...)
         for config in configs:
             federation.run(".", config)
 """
@@ -21,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from launch.federation import descendant_groups, free_port
+from launch.federation import LocalFederation, descendant_groups, free_port
 
 STARTED = "Ray runtime started."
 WARM_UP = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
@@ -82,3 +83,11 @@ class RayHead:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(wait)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def warm_federation() -> Iterator[LocalFederation]:
+    """A private SuperLink whose runs join one Ray head kept up between them (warm runs);
+    both stopped on exit."""
+    with RayHead() as head, LocalFederation(ray_address=head.address) as federation:
+        yield federation

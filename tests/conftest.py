@@ -15,7 +15,7 @@ import torch
 
 from common.config import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation
-from launch.ray_head import RayHead
+from launch.ray_head import warm_federation
 from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest hook)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def federation():
     """One private simulation SuperLink for the whole session (of each pytest worker), its
     runs on one Ray head kept up between them (warm runs: about half the CPU of a cold run);
     both stopped at the end."""
-    with RayHead() as ray, LocalFederation(ray_address=ray.address) as fed:
+    with warm_federation() as fed:
         yield fed
 
 

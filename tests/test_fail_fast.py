@@ -77,7 +77,10 @@ def test_a_dataset_no_site_can_load_fails_the_run_at_the_preflight(tmp_path):
     done, seconds, _ = demo("dataset=mnist", f"output-dir={out}", env={
         "HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9", "PFLOWER_DATA_ROOT": ""})
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert seconds < 60, seconds
+    # no wait for a round's timeout (600 s); beside other workers' runs the wall time is
+    # theirs as much as its own (66 s once, under three workers), so the tight bound holds
+    # when the suite runs in one process
+    assert seconds < (60 if "PYTEST_XDIST_WORKER" not in os.environ else 300), seconds
     last = done.stderr.strip().splitlines()[-1]
     assert last.endswith("finished:failed: preflight before round 1: all 10 clients that replied "
                          "failed: ConfigError: dataset: mnist is not on this machine: no IDX "
