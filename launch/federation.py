@@ -117,6 +117,24 @@ def descendant_groups(pid: int) -> set[int]:
     return groups
 
 
+def stop_process_groups(process: subprocess.Popen, term_wait: float) -> None:
+    """Stop ``process`` and every process it started, each in its process group: SIGTERM,
+    up to ``term_wait`` seconds for ``process`` to exit, then SIGKILL to any group left."""
+    groups = ({process.pid} | descendant_groups(process.pid)) - {os.getpgrp()}
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, 5)):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
+        try:
+            process.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        time.sleep(1)  # the other groups' processes exit on SIGTERM within this
+        groups = {g for g in groups if _group_alive(g)}
+        if not groups:
+            break
+
+
 @dataclass
 class FlowerRun:
     """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
@@ -191,20 +209,7 @@ class LocalFederation:
         if self.process is not None and self.process.poll() is None:
             # The SuperLink runs in its own session: stop it and every process it started
             # (the SuperExec's session with flwr-simulation and Ray included).
-            groups = ({self.process.pid} | descendant_groups(self.process.pid)) - {
-                os.getpgrp()}
-            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-                for group in groups:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(group, sig)
-                try:
-                    self.process.wait(wait)
-                except subprocess.TimeoutExpired:
-                    continue
-                time.sleep(1)  # the other groups' processes exit on SIGTERM within this
-                groups = {g for g in groups if _group_alive(g)}
-                if not groups:
-                    break
+            stop_process_groups(self.process, 15)
         if self._tmp is not None:
             self._tmp.cleanup()
         if self._previous_sigterm is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from launch.federation import LocalFederation, descendant_groups, free_port
+from launch.federation import LocalFederation, free_port, stop_process_groups
 
 STARTED = "Ray runtime started."
 WARM_UP = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
@@ -48,9 +47,14 @@ class RayHead:
         resources = [f"--num-cpus={self.num_cpus}"] if self.num_cpus is not None else []
         resources += [f"--num-gpus={self.num_gpus}"] if self.num_gpus is not None else []
         with self.log.open("wb") as log:
+            # `ray start` binds workers (and drivers) to ports from 10002 up and its client
+            # server to 10001: two heads at once (test workers) took the same ports and
+            # crashed each other's drivers. Port 0 lets the system pick.
             self.process = subprocess.Popen(
                 [str(Path(sys.executable).parent / "ray"), "start", "--head",
-                 f"--port={self.port}", "--include-dashboard=false", "--disable-usage-stats",
+                 f"--port={self.port}", "--min-worker-port=0", "--max-worker-port=0",
+                 f"--ray-client-server-port={free_port()}",
+                 "--include-dashboard=false", "--disable-usage-stats",
                  f"--temp-dir={self.temp_dir}", *resources, "--block"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
@@ -61,28 +65,33 @@ class RayHead:
                 self.__exit__(None, None, None)
                 raise RuntimeError(f"ray start --head failed: {' '.join(tail) or 'no output'}")
             time.sleep(0.2)
-        # The first driver that joins a fresh head waits for what the head still starts (its
-        # workers); a run's flwr-simulation process that waited for it on a busy machine
-        # sent no heartbeat to its SuperLink for a minute and was failed. A trial driver
-        # waits for it here instead.
-        subprocess.run([sys.executable, "-c", WARM_UP, self.address], check=True,
-                       timeout=300, capture_output=True,
-                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        # A trial driver joins first. Without it, three heads started at once on 2 cores, the
+        # first run on two of them failed: its flwr-simulation process sent its SuperLink no
+        # heartbeat for a minute while joining. With it, 9 runs of 9 completed.
+        try:
+            subprocess.run([sys.executable, "-c", WARM_UP, self.address], check=True,
+                           timeout=300, capture_output=True, text=True,
+                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"the Ray head at {self.address} took no driver: "
+                               f"{driver_failure(error)}") from None
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
-            # --block: on SIGTERM `ray start` stops its node's processes; any left (workers
-            # in a group of their own) are stopped by group
-            groups = ({self.process.pid} | descendant_groups(self.process.pid)) - {
-                os.getpgrp()}
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
-                for group in groups:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(group, sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.process.wait(wait)
+            # --block: on SIGTERM `ray start` stops its node's processes
+            stop_process_groups(self.process, 30)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def driver_failure(error: subprocess.CalledProcessError | subprocess.TimeoutExpired) -> str:
+    """The line of a failed driver's output that says why (Ray prints a C++ stack after it)."""
+    if isinstance(error, subprocess.TimeoutExpired):
+        return f"no answer in {error.timeout:.0f} s"
+    lines = [line for line in str(error.stderr or "").splitlines() if line.strip()]
+    reasons = [line[line.find("Check failed"):] for line in lines if "Check failed" in line]
+    return (reasons or lines or [f"exit status {error.returncode}"])[-1][:300]
 
 
 @contextlib.contextmanager

@@ -3,12 +3,14 @@ once and leaves no process behind, including the SuperExec's session (flwr-simul
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -99,16 +101,34 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     assert all(20_000 <= p < _ephemeral_low() for p in ports)
 
 
+def _start_error(head) -> str | None:
+    try:
+        head.__enter__()
+    except RuntimeError as error:  # the head stopped itself
+        return str(error)
+    return None
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_a_ray_head_stops_every_process_it_started():
+def test_ray_heads_started_together_each_take_a_driver_and_stop_every_process_they_started():
+    """Test workers each start a head at once: the heads must not share ports (``ray start``
+    takes fixed ones by default, and three at once crashed each other's drivers) and each
+    must leave nothing running when it stops."""
     from launch.ray_head import RayHead
 
-    with RayHead(num_cpus=1) as head:
-        started = _group_members(descendant_groups(head.process.pid) | {head.process.pid})
-        assert any("gcs_server" in _cmdline(p) for p in started)
-        temp_dir = head.temp_dir
+    heads = [RayHead(num_cpus=1) for _ in range(3)]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(heads)) as pool:
+        errors = list(pool.map(_start_error, heads))
+        for head, error in zip(heads, errors, strict=True):
+            if error is None:
+                stack.push(head)
+        assert errors == [None] * len(heads)  # each head ran a trial driver
+        started = _group_members(set().union(*(
+            descendant_groups(head.process.pid) | {head.process.pid} for head in heads)))
+        assert sum("gcs_server" in _cmdline(p) for p in started) == len(heads)
+        temp_dirs = [head.temp_dir for head in heads]
     time.sleep(2)
     left = {p: _cmdline(p) for p in _alive(started)}
     assert not left, f"left running: {left}"
-    assert not temp_dir.exists()
+    assert not any(temp_dir.exists() for temp_dir in temp_dirs)
