@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,12 @@ class FlowerRun:
 class LocalFederation:
     """A private simulation SuperLink for ``flwr run`` (context manager)."""
 
-    def __init__(self, home: str | Path | None = None, ray_address: str | None = None) -> None:
+    def __init__(self, home: str | Path | None = None, ray_address: str | None = None,
+                 pythonpath: Sequence[str | Path] = ()) -> None:
         self.ray_address = ray_address
+        # folders the app's processes import from besides the app (a user's model module):
+        # Flower hands the PYTHONPATH on to its Ray workers
+        self.pythonpath = [str(Path(folder).resolve()) for folder in pythonpath]
         self._tmp = tempfile.TemporaryDirectory(prefix="flwr-home-") if home is None else None
         self.home = Path(home or self._tmp.name)
         self.http_port, self.control_port = free_port(), free_port()
@@ -167,7 +172,10 @@ class LocalFederation:
         # Ray's own variable: ray.init() in flwr-simulation, called without an address, joins
         # the cluster it names (Flower 1.41 has no backend option for the address).
         ray_env = {"RAY_ADDRESS": self.ray_address} if self.ray_address is not None else {}
-        return {**os.environ, **ray_env,
+        inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+        path_env = ({"PYTHONPATH": os.pathsep.join([*self.pythonpath, *inherited])}
+                    if self.pythonpath else {})
+        return {**os.environ, **ray_env, **path_env,
                 "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                 "FLWR_HOME": str(self.home),
                 "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(self.http_port),

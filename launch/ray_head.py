@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from launch.federation import LocalFederation, free_port, stop_process_groups
@@ -95,8 +95,9 @@ def driver_failure(error: subprocess.CalledProcessError | subprocess.TimeoutExpi
 
 
 @contextlib.contextmanager
-def warm_federation() -> Iterator[LocalFederation]:
+def warm_federation(pythonpath: Sequence[str | Path] = ()) -> Iterator[LocalFederation]:
     """A private SuperLink whose runs join one Ray head kept up between them (warm runs);
-    both stopped on exit."""
-    with RayHead() as head, LocalFederation(ray_address=head.address) as federation:
+    both stopped on exit. ``pythonpath``: as for ``LocalFederation``."""
+    with RayHead() as head, LocalFederation(ray_address=head.address,
+                                            pythonpath=pythonpath) as federation:
         yield federation

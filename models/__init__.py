@@ -1,4 +1,5 @@
-"""Backbones by name. Method-specific model transforms live beside them (``models/<method>.py``)."""
+"""Backbones by name, or a user's own (``package.module:factory``, ``models/user.py``).
+Method-specific model transforms live beside them (``models/<method>.py``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 
 from common.config import ConfigError, one_of
 from models.backbones import Backbone, cnn, mlp, resnet8, resnet9, resnet18
+from models.user import FACTORY_FORM, build_user_backbone, is_factory, load_factory
 
 BACKBONES: dict[str, Callable[..., Backbone]] = {
     "mlp": mlp,
@@ -17,13 +19,18 @@ BACKBONES: dict[str, Callable[..., Backbone]] = {
 
 
 def check_backbone(name: str) -> None:
-    """An empty ``model`` means the dataset's default; anything else must be a backbone."""
-    if name:
-        one_of("model", name, BACKBONES)
+    """An empty ``model`` means the dataset's default; anything else must be a backbone or
+    an importable factory."""
+    if is_factory(name):
+        load_factory(name)
+    elif name and name not in BACKBONES:
+        one_of("model", name, [*BACKBONES, FACTORY_FORM])
 
 
 def build_backbone(name: str, input_shape: tuple[int, ...], num_classes: int,
                    mlp_hidden: int = 200) -> Backbone:
+    if is_factory(name):
+        return build_user_backbone(name, input_shape, num_classes)
     if name == "mlp":
         return mlp(input_shape, num_classes, mlp_hidden)
     if len(input_shape) != 3:

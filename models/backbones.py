@@ -12,12 +12,14 @@ from torch import Tensor, nn
 
 
 class Backbone(nn.Module):
-    """``head(body(x))``, with the body's output flattened."""
+    """``head(body(x))``, with the body's output flattened; ``head`` a fresh Linear unless one
+    is given (a user's model keeps its own classifier, ``models/user.py``)."""
 
-    def __init__(self, body: nn.Module, feature_dim: int, num_classes: int) -> None:
+    def __init__(self, body: nn.Module, feature_dim: int, num_classes: int,
+                 head: nn.Linear | None = None) -> None:
         super().__init__()
         self.body = body
-        self.head = nn.Linear(feature_dim, num_classes)
+        self.head = head if head is not None else nn.Linear(feature_dim, num_classes)
         self.feature_dim = feature_dim
 
     def features(self, x: Tensor) -> Tensor:

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from common.config import ConfigError
+
 
 class FactorizedLinear(nn.Module):
     def __init__(self, base: nn.Linear) -> None:
@@ -48,8 +50,6 @@ class FactorizedLinear(nn.Module):
 class FactorizedConv2d(nn.Module):
     def __init__(self, base: nn.Conv2d) -> None:
         super().__init__()
-        if base.groups != 1:
-            raise ValueError("Factorized-FL factorizes ungrouped convolutions only")
         self.stride, self.padding, self.dilation = base.stride, base.padding, base.dilation
         self.kernel_size = base.kernel_size
         out_c, in_c, kh, kw = base.weight.shape
@@ -71,11 +71,16 @@ FACTORIZED = (FactorizedLinear, FactorizedConv2d)
 
 def factorize(model: nn.Module) -> nn.Module:
     """Replace every Linear and Conv2d of ``model.body`` in place by its factorized twin."""
-    for parent in list(model.body.modules()):
+    for prefix, parent in list(model.body.named_modules(prefix="body")):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, FactorizedLinear(child))
             elif isinstance(child, nn.Conv2d):
+                if child.groups != 1 or child.padding_mode != "zeros":
+                    raise ConfigError(
+                        f"model: Factorized-FL factorizes ungrouped, zero-padded Conv2d "
+                        f"layers only; {prefix}.{name} has groups {child.groups} and padding "
+                        f"mode {child.padding_mode!r}: choose another model or method")
                 setattr(parent, name, FactorizedConv2d(child))
     return model
 

@@ -34,6 +34,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from common.config import ConfigError
+
 
 def _init_factors(module: nn.Module, rows: int, rank: int, cols: int, scaled: bool) -> None:
     module.scale = 1.0 / rank if scaled else 1.0
@@ -62,8 +64,6 @@ class DecomposedConv2d(nn.Conv2d):
     """A Conv2d whose kernel is ``sigma + tau``, ``tau`` from ``B A`` on ``(I*K) x (O*K)``."""
 
     def __init__(self, base: nn.Conv2d, ratio: float, scaled: bool) -> None:
-        if base.kernel_size[0] != base.kernel_size[1] or base.groups != 1:
-            raise ValueError("FedDecomp decomposes square, ungrouped convolutions only")
         super().__init__(base.in_channels, base.out_channels, base.kernel_size, base.stride,
                          base.padding, base.dilation, base.groups, base.bias is not None,
                          base.padding_mode)
@@ -85,11 +85,17 @@ def decompose(model: nn.Module, rank_conv: float, rank_linear: float,
               scaled: bool) -> nn.Module:
     """Replace every Linear and Conv2d of ``model`` in place by its decomposed twin, with
     rank ratios ``rank_conv`` and ``rank_linear`` (``scaled``: ``tau = B A / r``)."""
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, DecomposedLinear(child, rank_linear, scaled))
             elif isinstance(child, nn.Conv2d):
+                if child.kernel_size[0] != child.kernel_size[1] or child.groups != 1:
+                    layer = f"{prefix}.{name}".lstrip(".")
+                    raise ConfigError(
+                        f"model: FedDecomp decomposes square, ungrouped Conv2d layers only; "
+                        f"{layer} has kernel {child.kernel_size} and groups {child.groups}: "
+                        "choose another model or method")
                 setattr(parent, name, DecomposedConv2d(child, rank_conv, scaled))
     return model
 

@@ -98,7 +98,8 @@ def with_branches(model: nn.Module, tasks: int) -> nn.Module:
     with torch.no_grad():
         for group, branch in zip(groups, head.branches, strict=True):
             branch.weight[:len(group)] = old.weight[group]
-            branch.bias[:len(group)] = old.bias[group]
+            if old.bias is not None:  # a user's classifier may have none
+                branch.bias[:len(group)] = old.bias[group]
     model.head = head
     return model
 

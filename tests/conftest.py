@@ -20,6 +20,9 @@ from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_PACKAGES = app_packages(ROOT)
+# A user's own model module (tests/user_code/user_models.py): importable by the tests
+# (pyproject's pytest pythonpath) and by the federation's processes (its PYTHONPATH)
+USER_CODE = ROOT / "tests" / "user_code"
 
 
 def app_config(**overrides: Any) -> dict[str, Any]:
@@ -56,7 +59,7 @@ def federation():
     """One private simulation SuperLink for the whole session (of each pytest worker), its
     runs on one Ray head kept up between them (warm runs: about half the CPU of a cold run);
     both stopped at the end."""
-    with warm_federation() as fed:
+    with warm_federation(pythonpath=[USER_CODE]) as fed:
         yield fed
 
 
