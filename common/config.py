@@ -181,6 +181,8 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     test_fraction: float = key("test-fraction", low=0, high=1, low_open=True)
     num_classes: int = key("num-classes", low=0)
     input_shape: str = key("input-shape")
+    image_column: str = key("image-column")
+    label_column: str = key("label-column")
     model: str = key("model")
     mlp_hidden: int = key("mlp-hidden", low=1)
     num_server_rounds: int = key("num-server-rounds", low=1)

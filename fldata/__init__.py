@@ -8,6 +8,7 @@ dataset).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +20,7 @@ from fldata.cache import cache_key, cached_split, fingerprint
 from fldata.idx import find_idx_dir, search_dirs
 from fldata.partition import label_permutation, partition_indices, train_test_split
 from fldata.sources import (
+    DATA_FILES,
     SyntheticFedFac,
     arrays_from_hf,
     digits_pool,
@@ -52,9 +54,22 @@ DATASETS: dict[str, DatasetInfo] = {
 }
 
 
+LOCAL_SUFFIXES = (".npz", *DATA_FILES)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(dataset: str) -> bool:
+    """``org/name`` that is neither a named dataset nor a path on this machine (nor a data
+    file's name): a Hugging Face hub dataset, loaded through flwr-datasets."""
+    return (dataset not in DATASETS and HUB_ID.fullmatch(dataset) is not None
+            and not Path(dataset).exists() and Path(dataset).suffix.lower() not in LOCAL_SUFFIXES)
+
+
 def is_local_path(dataset: str) -> bool:
     """A ``dataset`` value that names a file or directory rather than a known dataset."""
-    return dataset not in DATASETS and ("/" in dataset or dataset.endswith(".npz"))
+    return dataset not in DATASETS and not is_hub_id(dataset) and (
+        "/" in dataset or Path(dataset).suffix.lower() in LOCAL_SUFFIXES
+        or Path(dataset).exists())
 
 
 @dataclass(frozen=True)
@@ -79,10 +94,11 @@ class SyntheticSettings(KeyGroup):
 
 
 def check_dataset(settings: RunSettings) -> None:
-    """A known dataset or a local path; the synthetic keys when they are used; a
+    """A known dataset, a local path or a hub id; the synthetic keys when they are used; a
     pathological partition that a named dataset's classes can serve."""
-    if not is_local_path(settings.dataset):
-        one_of("dataset", settings.dataset, [*DATASETS, "<a local path>"])
+    if not is_local_path(settings.dataset) and not is_hub_id(settings.dataset):
+        one_of("dataset", settings.dataset,
+               [*DATASETS, "<a local path>", "<org/name of a Hugging Face dataset>"])
     if settings.dataset == "synthetic-fedfac":
         SyntheticSettings.parse(settings.raw)
     if settings.dataset in DATASETS and settings.partitioner == "pathological":
@@ -126,7 +142,11 @@ def dataset_shape(settings: RunSettings) -> tuple[tuple[int, ...], int]:
         except ValueError:
             raise ConfigError(f"input-shape: {shape!r} is not a comma-separated list of "
                               "integers, e.g. '3,32,32'") from None
-    x, y = _pool(settings.dataset)  # the server can read it: take the facts from it
+    if is_hub_id(settings.dataset):
+        raise ConfigError(f"dataset: {settings.dataset} comes from the Hugging Face hub, which "
+                          "the server does not download: set num-classes and input-shape "
+                          "(e.g. input-shape='3,32,32')")
+    x, y = _pool(settings)  # the server can read it: take the facts from it
     return tuple(x.shape[1:]), int(y.max()) + 1
 
 
@@ -162,28 +182,34 @@ def local_copy(settings: RunSettings) -> Path | None:
 def pool_source(settings: RunSettings) -> str | None:
     """What ``_pool`` loads the run's pool from (``digits``, a local path, a named dataset's
     local copy), or None for a dataset that comes partitioned from the hub."""
+    if is_hub_id(settings.dataset):
+        return None
     if settings.dataset in DATASETS and DATASETS[settings.dataset].hub_id:
         found = local_copy(settings)
         return None if found is None else str(found)
     return settings.dataset
 
 
-def _pool(source: str) -> tuple[np.ndarray, np.ndarray]:
+def _pool(settings: RunSettings, source: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The pool of ``source`` (default: the run's dataset), read with the run's columns."""
+    source = settings.dataset if source is None else source
     if source == "digits":
         return digits_pool()
-    return _local_pool(source, json.dumps(fingerprint(source)))
+    return _local_pool(source, json.dumps(fingerprint(source)), settings.label_column,
+                       settings.image_column)
 
 
 @lru_cache(maxsize=2)
-def _local_pool(path: str, version: str) -> tuple[np.ndarray, np.ndarray]:
+def _local_pool(path: str, version: str, label_column: str, image_column: str
+                ) -> tuple[np.ndarray, np.ndarray]:
     """A local pool, kept while its files (``version``: their fingerprint) stay the same."""
-    return load_local(path)
+    return load_local(path, label_column, image_column)
 
 
 def _checked_pool(settings: RunSettings, source: str) -> tuple[np.ndarray, np.ndarray]:
     """The pool, checked against what a named dataset promises the server (input shape,
     number of classes): a local copy of the wrong dataset stops the run with one line."""
-    x, y = _pool(source)
+    x, y = _pool(settings, source)
     info = DATASETS.get(settings.dataset)
     if info is not None and info.idx and (tuple(x.shape[1:]) != info.input_shape
                                           or int(y.max()) >= info.num_classes):
@@ -196,13 +222,14 @@ def _checked_pool(settings: RunSettings, source: str) -> tuple[np.ndarray, np.nd
 
 def _hub_partition(settings: RunSettings, partition_id: int,
                    num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
-    """One partition of a hub dataset's train split, through flwr-datasets (which caches
-    the download on disk)."""
+    """One partition of a hub dataset's train split (a named one, or any ``org/name`` with
+    the run's columns), through flwr-datasets (which caches the download on disk)."""
     from flwr_datasets import FederatedDataset
 
     from fldata.partition import make_partitioner
 
-    info = DATASETS[settings.dataset]
+    info = DATASETS.get(settings.dataset) or DatasetInfo(
+        (), 0, "", hub_id=settings.dataset, label_column=settings.label_column)
     if (reason := hub_unreachable(info.hub_id)) is not None:
         # else each client would retry the hub for about 25 s before failing
         searched = search_dirs(settings.dataset, "", info.system_dir)
@@ -216,7 +243,13 @@ def _hub_partition(settings: RunSettings, partition_id: int,
     fds = FederatedDataset(dataset=info.hub_id, subset=info.hub_subset,
                            partitioners={"train": partitioner}, shuffle=True,
                            seed=settings.seed)
-    return arrays_from_hf(fds.load_partition(partition_id, "train"), info.label_column)
+    part = fds.load_partition(partition_id, "train")
+    if not np.issubdtype(np.asarray(part[info.label_column][:1]).dtype, np.integer):
+        # names would be numbered per partition, differently on each client
+        raise ConfigError(f"label-column: {settings.dataset}'s {info.label_column!r} holds "
+                          "names, not class ids; a hub dataset's labels must be class ids")
+    image_column = "" if settings.dataset in DATASETS else settings.image_column
+    return arrays_from_hf(part, info.label_column, image_column)
 
 
 def partition_arrays(settings: RunSettings, partition_id: int,
@@ -265,7 +298,7 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
 def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_classes: int,
            data_dir: str | None) -> dict[str, np.ndarray]:
     if data_dir:
-        x, y = load_local(Path(data_dir))
+        x, y = load_local(Path(data_dir), settings.label_column, settings.image_column)
     else:
         x, y = partition_arrays(settings, partition_id, num_partitions)
     # Split before permuting, so that permute-labels changes the labels and nothing else.

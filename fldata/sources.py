@@ -1,4 +1,5 @@
-"""Where examples come from: bundled, generated, Hugging Face hub, or local files.
+"""Where examples come from: bundled, generated, Hugging Face hub, or local files (anything
+``datasets.load_dataset`` opens: a folder of images, a parquet, csv or json file).
 
 Every source yields a pool ``(x, y)``: ``x`` float32 of shape ``(N, *input_shape)``, ``y``
 int64 class ids. Images are scaled to [0, 1] and normalised per channel (mean 0.5, std 0.5).
@@ -16,6 +17,7 @@ import numpy as np
 if TYPE_CHECKING:  # the Hugging Face datasets library loads in seconds: only where it is used
     import datasets
 
+from common.config import ConfigError
 from fldata.idx import holds_idx, read_idx_split
 
 
@@ -126,30 +128,60 @@ def hub_unreachable(hub_id: str, timeout: float = 5.0) -> str | None:
     return None
 
 
-def _image_column(ds: datasets.Dataset) -> str:
+def _image_column(ds: datasets.Dataset, image_column: str = "") -> str:
     import datasets
 
+    if image_column:
+        if image_column not in ds.column_names:
+            raise ConfigError(f"image-column: no column {image_column!r}; the dataset has "
+                             f"{', '.join(ds.column_names)}")
+        return image_column
     for name, feature in ds.features.items():
         if isinstance(feature, datasets.Image):
             return name
     for name in ("image", "img", "x"):
         if name in ds.column_names:
             return name
-    raise ValueError(f"no image column in {ds.column_names}")
+    raise ConfigError(f"image-column: no image column found among {', '.join(ds.column_names)};"
+                     " name it with image-column")
 
 
-def arrays_from_hf(ds: datasets.Dataset, label_column: str = "label") -> tuple[np.ndarray,
-                                                                               np.ndarray]:
-    """Images (PIL or nested lists) and labels of a ``datasets.Dataset`` as (x, y) arrays.
+def _image_arrays(ds: datasets.Dataset, column: str) -> np.ndarray:
+    """The column's images as one array: decoded image files (a grey set stays grey, any
+    colour makes all RGB) or pixel values stored as nested lists."""
+    import datasets
+
+    feature = ds.features[column]
+    if isinstance(feature, dict) and "bytes" in feature:  # encoded images without metadata
+        ds, feature = ds.cast_column(column, datasets.Image()), datasets.Image()
+    if not isinstance(feature, datasets.Image):
+        return ds.with_format("numpy")[column]
+    images = ds[column]
+    mode = "L" if all(im.mode == "L" for im in images) else "RGB"
+    sizes = {im.size for im in images}
+    if len(sizes) > 1:
+        raise ConfigError(f"image-column: the images have {len(sizes)} different sizes "
+                         f"({', '.join(f'{w}x{h}' for w, h in sorted(sizes)[:3])}, ...); "
+                         "resize them to one size first")
+    return np.stack([np.asarray(im.convert(mode)) for im in images])
+
+
+def arrays_from_hf(ds: datasets.Dataset, label_column: str = "label",
+                   image_column: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Images (image files, or pixels as nested lists) and labels of a ``datasets.Dataset``
+    as (x, y) arrays; ``image_column`` empty: the first Image column, else ``image``, ``img``
+    or ``x``. Labels that are not class ids (strings, say) become ids in sorted order.
 
     Grey images become (N, 1, H, W), colour ones (N, 3, H, W), normalised as above.
     """
-    import datasets
-
-    column = _image_column(ds)
-    images = ds.with_format("numpy")[column] if not isinstance(
-        ds.features[column], datasets.Image) else np.stack([np.asarray(im) for im in ds[column]])
-    return normalise_images(images), np.asarray(ds[label_column], dtype=np.int64)
+    column = _image_column(ds, image_column)
+    if label_column not in ds.column_names:
+        raise ConfigError(f"label-column: no column {label_column!r}; the dataset has "
+                         f"{', '.join(ds.column_names)}")
+    labels = np.asarray(ds[label_column])
+    if not np.issubdtype(labels.dtype, np.integer):
+        labels = np.unique(labels, return_inverse=True)[1]
+    return normalise_images(_image_arrays(ds, column)), labels.astype(np.int64)
 
 
 def normalise_images(images: np.ndarray) -> np.ndarray:
@@ -176,10 +208,20 @@ def _saved_by_datasets(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
+# local files that ``datasets.load_dataset`` reads, by suffix: the builder that reads them
+DATA_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def _holds_images(path: Path) -> bool:
+    return any(p.suffix.lower() in IMAGE_SUFFIXES for p in path.rglob("*"))
+
+
 def resolve_local(path: str | Path) -> Path:
-    """The dataset a local path means: the path itself when it is an ``.npz`` or a saved
-    ``datasets`` directory, else the one such entry inside the directory (a site's mounted
-    data folder holding ``train.npz``, say)."""
+    """The dataset a local path means: the path itself when it is a file, a saved
+    ``datasets`` directory or a folder of IDX files, else the one ``.npz`` or saved dataset
+    inside the directory (a site's mounted data folder holding ``train.npz``, say), else the
+    directory itself when it holds images (an image folder)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset: no such file or directory: {path}")
@@ -187,21 +229,28 @@ def resolve_local(path: str | Path) -> Path:
         return path
     found = sorted(p for p in path.iterdir() if not p.name.startswith(".") and (
         (p.suffix == ".npz" and p.is_file()) or (p.is_dir() and _saved_by_datasets(p))))
+    if not found and _holds_images(path):
+        return path
     if len(found) != 1:
         raise FileNotFoundError(
             f"dataset: {path} holds {len(found)} datasets ({', '.join(p.name for p in found)})"
-            "; it must be an .npz or a datasets.save_to_disk folder, or hold exactly one")
+            "; it must be an image folder, an .npz or a datasets.save_to_disk folder, or hold "
+            "exactly one .npz or saved dataset")
     return found[0]
 
 
-def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray]:
+def load_local(path: str | Path, label_column: str = "label",
+               image_column: str = "") -> tuple[np.ndarray, np.ndarray]:
     """A dataset on local disk, for air-gapped devices.
 
-    Either a ``.npz`` file with arrays ``x`` (N, C, H, W) or (N, D) and ``y`` (N,), a
+    One of: a ``.npz`` file with arrays ``x`` (N, C, H, W) or (N, D) and ``y`` (N,); a
     directory holding the four MNIST-layout IDX files (the train split is used, see
-    ``idx_pool``), a directory written by ``datasets.Dataset.save_to_disk`` (a
-    ``DatasetDict``'s ``train`` split is used), or a directory holding exactly one ``.npz``
-    or saved dataset (see ``resolve_local``).
+    ``idx_pool``); a file ``datasets.load_dataset`` reads (``DATA_FILES``: parquet, csv,
+    json); a directory written by ``datasets.Dataset.save_to_disk`` (a ``DatasetDict``'s
+    ``train`` split is used); a folder of images, one subfolder per class (or with a
+    ``metadata.csv``, as ``datasets``' image folders); or a directory holding exactly one
+    ``.npz`` or saved dataset (see ``resolve_local``). ``label_column`` and ``image_column``
+    name the columns of the ``datasets`` kinds (``arrays_from_hf``).
     """
     path = resolve_local(path)
     if path.suffix == ".npz":
@@ -211,7 +260,16 @@ def load_local(path: str | Path, label_column: str = "label") -> tuple[np.ndarra
         return idx_pool(path)
     import datasets
 
-    loaded = datasets.load_from_disk(str(path))
+    if path.is_file():
+        if path.suffix.lower() not in DATA_FILES:
+            raise ConfigError(f"dataset: cannot read {path.name}; a local file must be .npz or "
+                             f"{', '.join(DATA_FILES)}")
+        loaded = datasets.load_dataset(DATA_FILES[path.suffix.lower()],
+                                       data_files=str(path), split="train")
+    elif _saved_by_datasets(path):
+        loaded = datasets.load_from_disk(str(path))
+    else:
+        loaded = datasets.load_dataset("imagefolder", data_dir=str(path), split="train")
     if isinstance(loaded, datasets.DatasetDict):
         loaded = loaded["train"]
-    return arrays_from_hf(loaded, label_column)
+    return arrays_from_hf(loaded, label_column, image_column)
