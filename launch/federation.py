@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,6 +136,26 @@ def stop_process_groups(process: subprocess.Popen, term_wait: float) -> None:
         groups = {g for g in groups if _group_alive(g)}
         if not groups:
             break
+
+
+def bundle_files(app_dir: str | Path, into: Path) -> Path:
+    """A copy, in ``into``, of what ``flwr run APP`` bundles: ``pyproject.toml`` and the files
+    its ``fab-include`` patterns match; ``app_dir`` itself when it declares none.
+
+    Flower 1.41's ``flwr run`` walks every file under the app folder before it filters them,
+    ``.venv`` included: 3.7 s of a 25 s demo run on this checkout, for a 0.3 MB bundle. The
+    bundle built from the copy is the same."""
+    app_dir = Path(app_dir)
+    patterns = tomllib.loads((app_dir / "pyproject.toml").read_text()).get("tool", {}).get(
+        "flwr", {}).get("app", {}).get("fab-include")
+    if not patterns:
+        return app_dir
+    for source in {app_dir / "pyproject.toml"} | {
+            path for pattern in patterns for path in app_dir.glob(pattern) if path.is_file()}:
+        target = into / source.relative_to(app_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+    return into
 
 
 @dataclass
@@ -250,7 +272,8 @@ class LocalFederation:
 
         ``flwr run --stream`` exits 0 even when the ServerApp fails, so the run's final
         status, and why it failed, are read back from the SuperLink (``flwr ls --run-id``)."""
-        command = ["flwr", "run", str(app_dir), "--stream", *extra_args]
+        staged = bundle_files(app_dir, self.home / f"app-{time.monotonic_ns()}")
+        command = ["flwr", "run", str(staged), "--stream", *extra_args]
         if run_config:
             overrides = self.home / f"run-config-{time.monotonic_ns()}.toml"
             overrides.write_text(tomli_w.dumps(run_config))
@@ -271,6 +294,8 @@ class LocalFederation:
             finally:
                 watchdog.cancel()
             returncode = process.wait()
+        if staged != Path(app_dir):
+            shutil.rmtree(staged, ignore_errors=True)
         output = "".join(lines)
         found = re.search(r"Successfully started run (\d+)", output)
         run_id = found.group(1) if found else None
