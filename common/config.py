@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Generic, Self, TypeVar
 PARTITIONERS = ("iid", "dirichlet", "pathological", "domain")
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N"
+TRACKERS = ("tensorboard", "mlflow")  # server_app/tracking.py
 
 
 class ConfigError(ValueError):
@@ -202,6 +203,7 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     max_in_flight: int = key("max-in-flight", low=1)
     resume_from: str = key("resume-from")
     plot: bool = key("plot")
+    tracking: str = key("tracking")
     # trust boundaries (README "Security model")
     node_owners: str = key("identity.node-owners")
     require_registered: bool = key("identity.require-registered")
@@ -225,7 +227,15 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
         if not (device in ("auto", "cpu", "cuda") or
                 (device.startswith("cuda:") and device[5:].isdigit())):
             raise ConfigError(f"device: unknown value {device!r}; allowed: {DEVICES_HELP}")
+        settings.trackers()
         return settings
+
+    def trackers(self) -> list[str]:
+        """``tracking``: "", "tensorboard", "mlflow" or both, comma-separated."""
+        names = [n.strip() for n in self.tracking.split(",") if n.strip()]
+        for name in names:
+            one_of("tracking", name, TRACKERS)
+        return names
 
     def with_method(self, method_settings: SettingsT) -> RunSettings[SettingsT]:
         return dataclasses.replace(self, method_settings=method_settings)  # type: ignore[return-value,arg-type]

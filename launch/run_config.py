@@ -19,6 +19,7 @@ from typing import Any
 from common.config import ConfigError, RunSettings, app_defaults
 from fldata import check_local_files
 from server_app.rounds import CHECKPOINT
+from server_app.tracking import check_installed
 from strategies.registry import load_settings
 
 # what a bare word may hold to be taken as a string: no spaces, quotes or brackets
@@ -66,4 +67,5 @@ def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".") ->
     check_local_files(general)
     if general.resume_from and not (Path(general.resume_from) / CHECKPOINT).exists():
         raise ConfigError(f"resume-from: no {CHECKPOINT} in {general.resume_from}")
+    check_installed(general.trackers())  # in a simulation the ServerApp runs here
     return load_settings(run_config)

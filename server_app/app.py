@@ -14,6 +14,7 @@ from common.config import ConfigError
 from common.protocol import error_reason
 from server_app.results import ResultsRecorder, output_dir
 from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
+from server_app.tracking import Tracking
 from strategies.engine import RunFailedError
 from strategies.registry import REGISTRY, initial_state, load_settings
 
@@ -25,13 +26,15 @@ def main(grid: Grid, context: Context) -> None:
     try:
         settings = load_settings(context.run_config)
         initial, wire = initial_state(settings)
+        out_dir = output_dir(settings)
+        tracking = Tracking(settings.trackers(), out_dir, settings.raw)
     except ConfigError as error:
         log(ERROR, "Invalid run config: %s", error)
         # An Exception (not SystemExit) is what marks the run as failed in Flower.
         raise ConfigError(str(error)) from None
     random.seed(settings.seed)  # node sampling
     strategy = REGISTRY[settings.method].strategy(settings, initial, wire)
-    recorder = ResultsRecorder(settings, strategy, output_dir(settings))
+    recorder = ResultsRecorder(settings, strategy, out_dir, tracking)
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
         settings.dataset, settings.partitioner, recorder.out_dir)
     first_round, arrays = 1, initial

@@ -13,6 +13,7 @@ from flwr.common.logger import log
 from common.config import RunSettings
 from common.durable import write_json
 from common.record import RoundRecord
+from server_app.tracking import Tracking
 from strategies.engine import Strategy
 
 MB = 1024**2
@@ -29,13 +30,16 @@ class ResultsRecorder:
     """Writes results.json after every round: each round's ``RoundRecord`` entry
     (``common/record.py``), the run's totals and the strategy's per-client tables, and the
     run's ``status``: ``running``, then ``completed`` (``finish``: every round ran and the
-    last evaluation produced accuracies) or ``failed`` with its one-line ``reason``."""
+    last evaluation produced accuracies) or ``failed`` with its one-line ``reason``. Each
+    round it writes goes to ``tracking`` too (the rounds a resumed run restores do not:
+    its predecessor logged them)."""
 
     def __init__(self, settings: RunSettings, strategy: Strategy,
-                 out_dir: Path) -> None:
+                 out_dir: Path, tracking: Tracking) -> None:
         self.settings = settings
         self.strategy = strategy
         self.out_dir = out_dir
+        self.tracking = tracking
         self.rounds: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}  # after-training results (e.g. FedFac's new clients)
         self.status, self.reason = "running", ""
@@ -64,6 +68,7 @@ class ResultsRecorder:
         self._t_round = now
         self.rounds.append(entry)
         self.write()
+        self.tracking.log_round(entry)
         self._progress(entry)
 
     def _progress(self, entry: dict[str, Any]) -> None:
@@ -117,8 +122,10 @@ class ResultsRecorder:
         for server_round in range(self.last_round + 1, through_round + 1):
             record = self.strategy.ledger.history.get(server_round, RoundRecord())
             self.rounds.append(record.entry(server_round, time.monotonic() - self._t_round))
+            self.tracking.log_round(self.rounds[-1])
         self.status, self.reason = "failed", reason
         self.write()
+        self.tracking.close(self.payload())
         log(ERROR, "[failed] %s", reason)
 
     def finish(self, extra: dict[str, Any] | None = None) -> None:
@@ -127,6 +134,7 @@ class ResultsRecorder:
         self.extra.update(extra or {})
         self.status = "completed"
         self.write()
+        self.tracking.close(self.payload())
         if self.settings.plot and self.rounds:
             plot_results(self.payload(), self.out_dir / "results.png")
         final = self.final()

@@ -36,6 +36,7 @@ CHECKPOINT = "checkpoint.npz"
 # model, dataset, partitioning, seed, training) is refused.
 RESUMABLE_KEYS = frozenset({
     "num-server-rounds", "output-dir", "resume-from", "round-timeout", "min-nodes", "plot",
+    "tracking",
     "device", "data-cache", "max-in-flight", "identity.node-owners",
     "identity.require-registered",
     "identity.max-clients", "identity.expire-rounds", "aggregation.rule",
