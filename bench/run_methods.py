@@ -23,7 +23,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, write_report  # noqa: E402
+from common.config import app_defaults  # noqa: E402
+from launch.compare import parse_row  # noqa: E402
 from launch.ray_head import warm_federation  # noqa: E402
+from launch.run_config import parse_overrides as launch_overrides  # noqa: E402
 
 MB = 1024**2
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    return tomllib.loads("\n".join(f'"{k}" = {v}' for k, v in
-                                   (item.split("=", 1) for item in items)))
+    """``key=value`` words as the launchers read them (``launch.run_config``)."""
+    return launch_overrides(items, app_defaults(ROOT))
 
 
 def same_domain_weight(results: dict[str, Any]) -> float | None:
@@ -119,10 +121,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_entry(entry: str) -> tuple[str, str, dict[str, Any]]:
-    """``METHOD[@TAG][:k=v;k=v]`` -> (label, method, overrides)."""
-    label, _, extra = entry.partition(":")
-    method = label.split("@", 1)[0]
-    return label, method, parse_overrides([kv for kv in extra.split(";") if kv])
+    """``METHOD[@TAG][:k=v;k=v]`` (the compare command's rows, without grids) -> (label,
+    method, overrides)."""
+    row = parse_row(entry, app_defaults(ROOT), [])
+    if len(row.grid) != 1:
+        raise SystemExit(f"{entry}: a value list (a|b) is a grid; use scripts/compare.sh")
+    return row.label, row.method, row.grid[0]
 
 
 def run_methods(entries: list[str], overrides: dict[str, Any], supernodes: int

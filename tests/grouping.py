@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 # fixture -> the group of the tests that use it
-SHARED_RUN_FIXTURES = {"shared_runs": "shared-runs", "attack_runs": "attack-runs"}
+SHARED_RUN_FIXTURES = {"shared_runs": "shared-runs", "attack_runs": "attack-runs",
+                       "compared": "compare-run"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

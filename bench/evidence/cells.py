@@ -14,13 +14,12 @@ from bench.evidence.protocol import (
     Entry,
     cell_path,
     comparable_config,
-    config_tag,
     expand,
-    summarize_run,
     tuning_grid,
 )
 from bench.report import RESULTS, produced_by
 from common.config import app_packages
+from launch.comparison import config_tag, summarize_run
 from launch.federation import LocalFederation
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +86,9 @@ class Matrix:
         done = [(c, r) for c, r in cells if r is not None]
         if len(done) < len(cells):
             return {}, False
+        # by the final round, as the stored cells were chosen; the compare command chooses by
+        # the last rounds' mean (launch.comparison.run_figures), which the matrix's next
+        # protocol takes up with its re-run (tuning by it now would orphan the report cells)
         return max(done, key=lambda cr: cr[1]["accuracy_weighted"])[0], True
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from bench.evidence import protocol
-from bench.evidence.protocol import SAME_SIZE_RANDOM_SPLIT, config_tag
+from bench.evidence.protocol import SAME_SIZE_RANDOM_SPLIT
+from launch.comparison import config_tag
 
 
 def claims(stats: dict[str, dict[str, dict[str, Any]]],

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from bench.data import ensure_dataset
-from bench.run_methods import MB
 from fldata.sources import idx_pool
+from launch.comparison import config_tag
 
 POOL_SIZE = 5000       # images drawn from the 60,000 (250 a client: the FedDecomp paper's size)
 NUM_CLIENTS = 20
@@ -126,32 +126,10 @@ def tuning_grid(method: str) -> list[dict[str, Any]]:
     return [{"lr": lr, name: v} for lr, v in itertools.product(LEARNING_RATES_2, values)]
 
 
-def config_tag(config: dict[str, Any]) -> str:
-    """A config as part of a file name. No commas: Flower lists a FAB's files as
-    ``path,sha256,bits`` lines, so a comma in any file under the app breaks ``flwr run .``."""
-    return "+".join(f"{k}={v}" for k, v in sorted(config.items())) or "defaults"
-
-
 def cell_path(out: Path, scenario: str, label: str, stage: str, config: dict[str, Any],
               seed: int) -> Path:
     return (out / "matrix" / "cells" / scenario / label.replace("@", "-")
             / f"{stage}-{config_tag(config)}-seed{seed}.json")
-
-
-def summarize_run(results: dict[str, Any]) -> dict[str, Any]:
-    """What a cell keeps of a run's results.json: final numbers and per-round series."""
-    rounds = [r for r in results["rounds"] if "eval" in r]
-    final = results["final"]
-    return {
-        "accuracy_weighted": final["accuracy_weighted"],
-        "accuracy_mean": final["accuracy_mean"],
-        "accuracy_min": final["accuracy_min"],
-        "mb_up_total": final["bytes_up_total"] / MB,
-        "seconds_total": final["seconds_total"],
-        "rounds": [r["round"] for r in rounds],
-        "accuracy_per_round": [r["eval"]["accuracy_weighted"] for r in rounds],
-        "mb_up_per_round": [r["bytes_up"] / MB for r in results["rounds"]],
-    }
 
 
 def comparable_config(run_config: dict[str, Any]) -> dict[str, Any]:

@@ -16,28 +16,29 @@ from bench.evidence.protocol import (
     COMMON,
     POOL_SIZE,
     SCENARIOS,
-    config_tag,
 )
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
+from launch.comparison import config_tag
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| method | configuration | seeds | final acc (mean ± std) | min client | "
-             "uplink MB (total) | seconds |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | configuration | seeds | acc, last 5 rounds (mean ± std) | min client | "
+             "slope (points/round) | uplink MB (total) | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         config = r["config"] + ("" if r["tuned"] else " (not tuned yet)")
         lines.append(f"| {r['label']} | {config} | {r['seeds']} | "
                      f"{r['accuracy'][0]:.4f} ± {r['accuracy'][1]:.4f} | "
-                     f"{r['accuracy_min'][0]:.4f} | {r['mb_up'][0]:.2f} | "
-                     f"{r['seconds'][0]:.0f} |")
+                     f"{r['accuracy_min'][0]:.4f} | {100 * r['slope'][0]:+.2f} | "
+                     f"{r['mb_up'][0]:.2f} | {r['seconds'][0]:.0f} |")
     return "\n".join(lines) + "\n"
 
 
 def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
     """Each ablation against its row, both on the report seeds."""
-    lines = ["| row | change | question | seeds | final acc (mean ± std) | min client | "
-             "row's final acc | difference (points) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | change | question | seeds | acc, last 5 rounds (mean ± std) | min client | "
+             "row's acc | difference (points) |", "|---|---|---|---|---|---|---|---|"]
     for result in ablated.values():
         ablation, row = result["ablation"], result["row"]
         mean, std = result["accuracy"]
@@ -51,7 +52,7 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
 
 def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
     """Accuracy per round (mean, band = min..max over seeds), one figure per scenario, and
-    final accuracy against total uplink MB; returns the files written."""
+    accuracy (last 5 rounds) against total uplink MB; returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,7 +78,7 @@ def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
         for label, row in rows.items():
             ax.errorbar(row["mb_up"][0], row["accuracy"][0], yerr=row["accuracy"][1],
                         fmt="o", label=label)
-        ax.set(title=scenario, xlabel="uplink MB (total, log)", ylabel="final accuracy",
+        ax.set(title=scenario, xlabel="uplink MB (total, log)", ylabel="accuracy (last 5 rounds)",
                xscale="log")
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -109,10 +110,13 @@ def write_report(matrix: Matrix, command: str) -> str:
         f"{COMMON['batch-size']}, momentum {COMMON['momentum']} for every method. Tuning on "
         f"seed {protocol.TUNING_SEED} (four runs per method: the learning rate, and the main "
         "hyperparameter where a method has one, by final-round accuracy), reported on seeds "
-        f"{', '.join(map(str, protocol.REPORT_SEEDS))}: final-round personalized accuracy "
-        "weighted by test examples, mean ± std over seeds (never the best round); min "
-        "client = mean over seeds of the lowest client's final accuracy; uplink and seconds "
-        "per run. A row marked *not tuned yet* ran its defaults.\n\n",
+        f"{', '.join(map(str, protocol.REPORT_SEEDS))}. The statistics are the compare "
+        "command's (`launch/comparison.py`): personalized accuracy weighted by test "
+        "examples, the mean of a run's last 5 rounds, then mean ± std over seeds (never the "
+        "best round); min client: the same for the lowest client (its final round where a "
+        "cell kept no curve of it); slope: accuracy points per round over the last 10 "
+        "rounds; uplink and seconds per run. A row marked *not tuned yet* ran its defaults."
+        "\n\n",
         "## Paper claims\n\n", "\n".join(claims(stats, ablated)), "\n\n",
     ]
     ablations = ablation_table(ablated)

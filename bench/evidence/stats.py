@@ -1,34 +1,24 @@
-"""Statistics over the report seeds: a row's and an ablation's mean and spread."""
+"""Statistics over the report seeds: a row's and an ablation's, from their cells, by the
+implementation the compare command uses (``launch/comparison.py``)."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
-from bench.evidence.protocol import Entry, config_tag
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation over seeds (0 for a single seed)."""
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+from bench.evidence.protocol import Entry
+from launch.comparison import config_tag, method_stats
 
 
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:
     config, tuned = matrix.tuned(scenario, item, tune=False)
-    cells = [c for seed in protocol.REPORT_SEEDS if (c := matrix.cell(
-        scenario, item, "report", config, seed, may_run=False)) is not None]
+    cells = {seed: c for seed in protocol.REPORT_SEEDS if (c := matrix.cell(
+        scenario, item, "report", config, seed, may_run=False)) is not None}
     if not cells:
         return None
-
-    def over_seeds(key: str) -> tuple[float, float]:
-        return mean_std([c[key] for c in cells])
-
     return {"label": item.label, "config": config_tag(config), "tuned": tuned,
-            "seeds": len(cells), "accuracy": over_seeds("accuracy_weighted"),
-            "accuracy_min": over_seeds("accuracy_min"), "mb_up": over_seeds("mb_up_total"),
-            "seconds": over_seeds("seconds_total"), "cells": cells}
+            **method_stats(cells), "seeds": len(cells), "cells": list(cells.values())}
 
 
 def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
@@ -41,10 +31,8 @@ def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
         cells = matrix.ablation(ablation, may_run=False)
         if row is None or not cells:
             continue
+        figures = method_stats({c["seed"]: c for c in cells})
         out[(ablation.scenario, ablation.label, config_tag(ablation.change))] = {
             "ablation": ablation, "row": row, "seeds": len(cells),
-            "accuracy": mean_std([c["accuracy_weighted"] for c in cells]),
-            "accuracy_min": mean_std([c["accuracy_min"] for c in cells])}
+            "accuracy": figures["accuracy"], "accuracy_min": figures["accuracy_min"]}
     return out
-
-

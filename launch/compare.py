@@ -1,0 +1,320 @@
+"""Compare methods on your own setup, over seeds: every run through the real app, one report.
+
+    bash scripts/compare.sh --methods fedavg,fedper,feddecomp --seeds 1,2,3 \\
+        dataset=/data/my-images partitioner=dirichlet num-server-rounds=30
+
+Each ``--methods`` entry is ``METHOD[@TAG][:key=value;key=value|value]``: the row is labelled
+``METHOD@TAG`` and runs with those overrides on top of the command's ``key=value`` ones; a
+value list ``a|b`` makes a grid. ``--lr-grid`` gives every row the same learning rates.
+
+Protocol (docs/comparing.md): a row with more than one configuration is tuned first, each
+configuration run once on ``--tuning-seed`` (not a report seed), and the one with the best
+mean accuracy over its last rounds is kept; then every row runs its configuration on each of
+``--seeds``. The report (``report.md``, ``summary.json`` and two plots) gives, per row, the
+statistics of ``launch/comparison.py`` (the evidence matrix's): the mean of the last 5
+rounds' personalized accuracy over seeds, the lowest client's, the slope over the last 10
+rounds, uplink and time, and the paired difference per seed against ``--reference`` with its
+95% interval.
+
+Everything is written under ``--out`` (default ``outputs/compare-<UTC time>`` in the current
+folder), each run in ``runs/<row>/<stage>-<config>-seed<k>/``. A run that completed with the
+same config is not run again: an interrupted comparison resumes. Exit 0 when every run
+completed, 1 when some failed (the report says which), 2 for a mistake in the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, app_defaults
+from launch.comparison import (
+    config_tag,
+    method_stats,
+    paired_difference,
+    run_figures,
+    summarize_run,
+)
+from launch.federation import LocalFederation
+from launch.ray_head import warm_federation
+from launch.run_config import check_run_config, parse_overrides
+
+APP_ROOT = Path(__file__).resolve().parents[1]
+RISING = 0.002  # accuracy per round over the last 10 rounds: the curve has not flattened
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the comparison: a method with its fixed overrides and its grid."""
+
+    label: str
+    method: str
+    grid: list[dict[str, Any]]  # overrides per configuration (one: nothing to tune)
+
+
+def parse_row(entry: str, defaults: dict[str, Any], lr_grid: Sequence[float]) -> Row:
+    """``METHOD[@TAG][:key=value;key=a|b]`` -> its row; ``lr_grid`` unless it sets ``lr``."""
+    label, _, extra = entry.partition(":")
+    method = label.split("@", 1)[0]
+    axes: dict[str, list[Any]] = {}
+    for item in filter(None, extra.split(";")):
+        name, sep, values = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{entry!r}: an entry's override is key=value, e.g. fedprox:"
+                              "fedprox.mu=0.01|0.1")
+        axes[name] = [parse_overrides([f"{name}={v}"], defaults)[name]
+                      for v in values.split("|")]
+    if lr_grid and "lr" not in axes:
+        axes["lr"] = list(lr_grid)
+    grid = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    return Row(label, method, grid)
+
+
+class Comparison:
+    """The rows' runs under ``out`` on one federation: stored runs are read, others run."""
+
+    def __init__(self, federation: LocalFederation | None, app: Path, base: dict[str, Any],
+                 out: Path, supernodes: int) -> None:
+        self.federation, self.app, self.base = federation, app, base
+        self.out, self.supernodes = out, supernodes
+        self.failed: list[str] = []
+
+    def run_config(self, row: Row, config: dict[str, Any], seed: int) -> dict[str, Any]:
+        return {**self.base, **config, "method": row.method, "seed": seed, "plot": False}
+
+    def check(self, rows: Sequence[Row], seeds: Sequence[int]) -> None:
+        """Every configuration checked before any run starts (one-line ConfigError)."""
+        for row in rows:
+            for config in row.grid:
+                try:
+                    check_run_config(self.run_config(row, config, seeds[0]), self.app)
+                except ConfigError as error:
+                    raise ConfigError(f"{row.label} {config_tag(config)}: {error}") from None
+
+    def run(self, row: Row, stage: str, config: dict[str, Any], seed: int
+            ) -> dict[str, Any] | None:
+        """The run's summary (``launch.comparison.summarize_run``); None if it failed."""
+        out = (self.out / "runs" / row.label.replace("@", "-")
+               / f"{stage}-{config_tag(config)}-seed{seed}").resolve()
+        run_config = {**self.run_config(row, config, seed), "output-dir": str(out)}
+        results_path = out / "results.json"
+        if results_path.exists():
+            stored = json.loads(results_path.read_text())
+            if stored.get("status") == "completed" and stored.get("config") == {
+                    **stored.get("config", {}), **run_config}:
+                return summarize_run(stored)
+        if self.federation is None:
+            return None
+        print(f"[compare] {row.label} {stage} {config_tag(config)} seed {seed}", flush=True)
+        run = self.federation.run(self.app, run_config, num_supernodes=self.supernodes)
+        if not run.ok:
+            reason = run.reason or run.status or "did not start"
+            self.failed.append(f"{row.label} {stage} {config_tag(config)} seed {seed}: "
+                               f"{reason}")
+            print(f"[compare] failed: {self.failed[-1]}", file=sys.stderr, flush=True)
+            return None
+        return summarize_run(json.loads(results_path.read_text()))
+
+    def tune(self, row: Row, tuning_seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The row's configuration: its only one, or the grid's best on the tuning seed
+        (mean accuracy over the last rounds); and every tried configuration's figure."""
+        if len(row.grid) == 1:
+            return row.grid[0], []
+        tried = []
+        for config in row.grid:
+            summary = self.run(row, "tune", config, tuning_seed)
+            if summary is not None:
+                tried.append({"config": config, **run_figures(summary)})
+        if not tried:
+            raise RuntimeError(f"{row.label}: every tuning run failed")
+        return max(tried, key=lambda t: t["accuracy"])["config"], tried
+
+
+def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
+            tuning_seed: int, reference: str) -> dict[str, Any]:
+    """Tune, then run every row on every seed; the summary (``summary.json``)."""
+    summary: dict[str, Any] = {"protocol": {"seeds": list(seeds), "tuning_seed": tuning_seed,
+                                            "reference": reference,
+                                            "base_config": comparison.base},
+                               "rows": {}, "failed": comparison.failed}
+    for row in rows:
+        try:
+            chosen, tried = comparison.tune(row, tuning_seed)
+        except RuntimeError as error:
+            print(f"[compare] {error}", file=sys.stderr)
+            continue
+        runs = {seed: s for seed in seeds
+                if (s := comparison.run(row, "report", chosen, seed)) is not None}
+        if runs:
+            summary["rows"][row.label] = {
+                "method": row.method, "grid": row.grid, "chosen": chosen, "tuning": tried,
+                "curves": {seed: s["accuracy_per_round"] for seed, s in runs.items()},
+                "rounds": next(iter(runs.values()))["rounds"], **method_stats(runs)}
+    base = summary["rows"].get(reference)
+    for label, row_stats in summary["rows"].items():
+        if base is not None and label != reference:
+            row_stats["versus_reference"] = paired_difference(
+                {s: f["accuracy"] for s, f in row_stats["per_seed"].items()},
+                {s: f["accuracy"] for s, f in base["per_seed"].items()})
+    return summary
+
+
+def report_markdown(summary: dict[str, Any], command: str) -> str:
+    protocol = summary["protocol"]
+    reference = protocol["reference"]
+    lines = [
+        "# Comparison\n", f"```\n{command}\n```\n",
+        f"Seeds {', '.join(map(str, protocol['seeds']))}; a row with a grid was tuned on seed "
+        f"{protocol['tuning_seed']} (best mean accuracy over its last 5 rounds). Accuracy: "
+        "personalized, weighted by test examples, mean of the last 5 evaluated rounds, then "
+        "mean ± standard deviation over seeds (never the best round). Min client: the same for "
+        "the lowest client. Slope: accuracy points per round over the last 10 rounds (above "
+        f"{100 * RISING:.1f}, marked: the curve was still rising; run more rounds). Versus "
+        "the reference: the paired difference per seed, its mean and 95% interval, in "
+        "accuracy points.\n",
+        f"| row | configuration | seeds | accuracy | min client | slope (points/round) | "
+        f"uplink MB | seconds | vs {reference} (points) |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for label, row in summary["rows"].items():
+        versus = row.get("versus_reference")
+        if label == reference:
+            diff = "reference"
+        elif versus is None:
+            diff = "no common seed" if reference in summary["rows"] else "-"
+        else:
+            interval = ("" if versus["ci95"] is None else
+                        f" [{100 * versus['ci95'][0]:+.1f}, {100 * versus['ci95'][1]:+.1f}]")
+            diff = f"{100 * versus['mean_diff']:+.1f}{interval}"
+        lines.append(
+            f"| {label} | {config_tag(row['chosen'])} | {len(row['seeds'])} | "
+            f"{row['accuracy'][0]:.4f} ± {row['accuracy'][1]:.4f} | "
+            f"{row['accuracy_min'][0]:.4f} | {100 * row['slope'][0]:+.2f}"
+            f"{' (still rising)' if row['slope'][0] > RISING else ''} | "
+            f"{row['mb_up'][0]:.2f} | {row['seconds'][0]:.0f} | {diff} |")
+    if summary["failed"]:
+        lines += ["\n## Failed runs\n", *(f"- {f}" for f in summary["failed"])]
+    lines += ["\n![accuracy per round](accuracy.png)\n",
+              "![accuracy against uplink](accuracy-vs-uplink.png)\n"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], out: Path) -> None:
+    """accuracy.png: each row's curve (mean over seeds, band: min..max); and
+    accuracy-vs-uplink.png: each row's accuracy (± std) against its uplink."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, row in summary["rows"].items():
+        curves = np.array(list(row["curves"].values()))
+        ax.plot(row["rounds"], curves.mean(0), label=label)
+        ax.fill_between(row["rounds"], curves.min(0), curves.max(0), alpha=0.15)
+    ax.set(xlabel="round", ylabel="personalized accuracy (weighted)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label, row in summary["rows"].items():
+        ax.errorbar(row["mb_up"][0], row["accuracy"][0], yerr=row["accuracy"][1], fmt="o",
+                    label=label)
+    ax.set(xlabel="uplink MB (total, log)", ylabel="accuracy (last 5 rounds)", xscale="log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy-vs-uplink.png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(summary: dict[str, Any], out: Path, command: str) -> str:
+    text = report_markdown(summary, command)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if summary["rows"]:
+        plot(summary, out)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: seeds are integers, e.g. 1,2,3") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct seeds, e.g. 1,2,3")
+    return seeds
+
+
+def main(argv: Sequence[str] | None = None, federation: LocalFederation | None = None) -> int:
+    """The command; ``federation``: run on this one instead of starting a warm one."""
+    parser = argparse.ArgumentParser(prog="scripts/compare.sh",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", required=True,
+                        help="comma-separated METHOD[@TAG][:key=value;key=a|b] entries")
+    parser.add_argument("--seeds", type=seed_list, default=[1, 2, 3], help="default 1,2,3")
+    parser.add_argument("--reference", default="",
+                        help="the row the others are compared with (default: the first)")
+    parser.add_argument("--lr-grid", default="",
+                        help="learning rates every row is tuned over, e.g. 0.01,0.05,0.1")
+    parser.add_argument("--tuning-seed", type=int, default=0,
+                        help="the seed grids are tuned on; not a report seed (default 0)")
+    parser.add_argument("--supernodes", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default outputs/compare-<UTC time> in the current folder")
+    parser.add_argument("--app", type=Path, default=APP_ROOT)
+    parser.add_argument("overrides", nargs="*",
+                        help="run-config overrides for every run, key=value (dataset=...)")
+    args = parser.parse_args(argv)
+    command = "bash scripts/compare.sh " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    try:
+        defaults = app_defaults(args.app.resolve())
+        lr_grid = [float(v) for v in args.lr_grid.split(",") if v.strip()]
+        rows = [parse_row(e, defaults, lr_grid) for e in args.methods.split(",") if e]
+        labels = [r.label for r in rows]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"--methods: a row label appears twice ({', '.join(labels)}); "
+                              "tell them apart with @TAG, e.g. fedavg@lr0.1:lr=0.1")
+        reference = args.reference or labels[0]
+        if reference not in labels:
+            raise ConfigError(f"--reference: {reference!r} is not a row ({', '.join(labels)})")
+        if args.tuning_seed in args.seeds and any(len(r.grid) > 1 for r in rows):
+            raise ConfigError(f"--tuning-seed {args.tuning_seed} is a report seed: tuning "
+                              "and reporting on the same seed favours the grids")
+        base = parse_overrides(args.overrides, defaults)
+        for fixed in ("method", "seed", "output-dir"):
+            if fixed in base:
+                raise ConfigError(f"{fixed}: set by the command (--methods, --seeds, --out)")
+        out = (args.out or Path("outputs")
+               / f"compare-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
+        comparison = Comparison(federation, args.app.resolve(), base, out, args.supernodes)
+        comparison.check(rows, args.seeds)
+    except (ConfigError, ValueError) as error:
+        print(f"compare: {error}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"[compare] {len(rows)} rows x {len(args.seeds)} seeds, written to {out}",
+          flush=True)
+    if federation is None:
+        # the calling folder's modules (a user's model factory) import in every run
+        with warm_federation(pythonpath=[Path.cwd()]) as comparison.federation:
+            summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference)
+    else:
+        summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference)
+    print(write_report(summary, out, command))
+    print(f"[compare] report: {out / 'report.md'}", flush=True)
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The statistics of a comparison of methods over seeds, one implementation for the compare
+command (``launch/compare.py``) and the evidence matrix (``bench/evidence``).
+
+- A run is summarized from its results.json (``summarize_run``): its accuracy curve
+  (personalized accuracy weighted by test examples, per evaluated round), the lowest
+  client's curve, uplink and time.
+- A run's figure is the mean of its last ``LAST_ROUNDS`` evaluated rounds (never the best
+  round: choosing a round on test data flatters every method, the noisy ones most); its
+  slope, in accuracy per round over the last ``SLOPE_ROUNDS`` rounds (least squares), says
+  whether the curve has stopped rising.
+- A method is the mean and sample standard deviation of its runs' figures over seeds.
+- A method against a reference is the paired difference per seed (same seed: same data
+  split, same initial model), its mean and a 95% confidence interval (Student's t over the
+  seeds they share; none for a single seed).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+LAST_ROUNDS = 5
+SLOPE_ROUNDS = 10
+MB = 1024**2
+
+
+def config_tag(config: Mapping[str, Any]) -> str:
+    """A config as part of a file name. No commas: Flower lists a FAB's files as
+    ``path,sha256,bits`` lines, so a comma in any file under an app breaks ``flwr run .``."""
+    return "+".join(f"{k}={v}" for k, v in sorted(config.items())) or "defaults"
+
+
+def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:
+    """What a comparison keeps of one run's results.json: final numbers and per-round series
+    (accuracies as fractions, bytes in MB)."""
+    evaluated = [r for r in results["rounds"] if "eval" in r]
+    final = results["final"]
+    return {
+        "accuracy_weighted": final["accuracy_weighted"],
+        "accuracy_mean": final["accuracy_mean"],
+        "accuracy_min": final["accuracy_min"],
+        "mb_up_total": final["bytes_up_total"] / MB,
+        "seconds_total": final["seconds_total"],
+        "rounds": [r["round"] for r in evaluated],
+        "accuracy_per_round": [r["eval"]["accuracy_weighted"] for r in evaluated],
+        "accuracy_min_per_round": [r["eval"]["accuracy_min"] for r in evaluated],
+        "mb_up_per_round": [r["bytes_up"] / MB for r in results["rounds"]],
+    }
+
+
+def last_rounds_mean(curve: Sequence[float], rounds: int = LAST_ROUNDS) -> float:
+    """The mean of the last ``rounds`` values (all of them if there are fewer)."""
+    if not curve:
+        raise ValueError("no evaluated round")
+    return statistics.fmean(curve[-rounds:])
+
+
+def slope(curve: Sequence[float], rounds: int = SLOPE_ROUNDS) -> float:
+    """Least-squares change per round over the last ``rounds`` values (0 for one value)."""
+    tail = np.asarray(curve[-rounds:], dtype=float)
+    if len(tail) < 2:
+        return 0.0
+    return float(np.polyfit(np.arange(len(tail)), tail, 1)[0])
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over seeds (0 for a single seed)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run_figures(summary: Mapping[str, Any]) -> dict[str, float]:
+    """One run's figures: last-rounds mean of the weighted and of the lowest client's
+    accuracy (a summary stored before the lowest client's curve was kept gives its final
+    value), its slope, uplink and seconds."""
+    low = summary.get("accuracy_min_per_round") or [summary["accuracy_min"]]
+    return {"accuracy": last_rounds_mean(summary["accuracy_per_round"]),
+            "accuracy_min": last_rounds_mean(low),
+            "slope": slope(summary["accuracy_per_round"]),
+            "mb_up": summary["mb_up_total"], "seconds": summary["seconds_total"]}
+
+
+def method_stats(per_seed: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """A method over its seeds (seed -> run summary): each figure's mean and standard
+    deviation, and the per-seed figures."""
+    figures = {seed: run_figures(summary) for seed, summary in sorted(per_seed.items())}
+    return {"seeds": list(figures), "per_seed": figures,
+            **{name: mean_std([f[name] for f in figures.values()])
+               for name in ("accuracy", "accuracy_min", "slope", "mb_up", "seconds")}}
+
+
+def paired_difference(values: Mapping[int, float], reference: Mapping[int, float]
+                      ) -> dict[str, Any] | None:
+    """``values`` minus ``reference`` on the seeds both have: the per-seed differences, their
+    mean and its 95% confidence interval (None for a single seed); None without a common
+    seed."""
+    seeds = sorted(set(values) & set(reference))
+    if not seeds:
+        return None
+    diffs = [values[s] - reference[s] for s in seeds]
+    mean = statistics.fmean(diffs)
+    ci95 = None
+    if len(diffs) > 1:
+        half = (stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs)
+                / math.sqrt(len(diffs)))
+        ci95 = (mean - half, mean + half)
+    return {"seeds": seeds, "paired_diffs": diffs, "mean_diff": mean, "ci95": ci95}

@@ -1,0 +1,148 @@
+"""The compare command (launch/compare.py) and the statistics it shares with the evidence
+matrix (launch/comparison.py). One real comparison, 2 methods x 2 seeds on digits with both
+trackers on, serves the tests that read it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from common.config import app_defaults
+from launch.compare import main, parse_row
+from launch.comparison import last_rounds_mean, paired_difference, slope
+from tests.conftest import ROOT
+
+ARGS = ["--methods", "fedavg,local", "--seeds", "1,2", "--supernodes", "2",
+        "num-server-rounds=2", "local-epochs=1", "tracking=tensorboard,mlflow"]
+
+
+def test_paired_difference_gives_the_mean_and_the_t_interval_of_the_per_seed_differences():
+    method = {1: 0.70, 2: 0.80, 3: 0.90, 4: 0.5}
+    reference = {1: 0.69, 2: 0.78, 3: 0.87, 5: 0.1}  # seeds 4 and 5 are not paired
+    result = paired_difference(method, reference)
+    assert result["seeds"] == [1, 2, 3]
+    assert result["paired_diffs"] == pytest.approx([0.01, 0.02, 0.03])
+    assert result["mean_diff"] == pytest.approx(0.02)
+    # sd 0.01 over 3 seeds, t(0.975, 2) = 4.303 (tables): half width 0.02484
+    assert result["ci95"] == pytest.approx((0.02 - 0.02484, 0.02 + 0.02484), abs=1e-5)
+    assert paired_difference({1: 0.5}, {1: 0.4})["ci95"] is None
+    assert paired_difference({1: 0.5}, {2: 0.4}) is None
+
+
+def test_last_rounds_mean_and_slope_read_the_end_of_the_curve():
+    curve = [0.1, 0.2, 0.5, 0.6, 0.6, 0.7, 0.7]
+    assert last_rounds_mean(curve) == pytest.approx(0.62)  # the last 5
+    assert last_rounds_mean([0.3, 0.5]) == pytest.approx(0.4)  # fewer than 5: all
+    assert slope([0.5 + 0.01 * r for r in range(20)]) == pytest.approx(0.01)
+    assert slope([0.9] * 12 + [0.1, 0.2]) < 0  # only the last 10 count
+    assert slope([0.4]) == 0.0
+
+
+def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():
+    defaults = app_defaults(ROOT)
+    row = parse_row("fedprox@strong:fedprox.mu=0.1|1;local-epochs=3", defaults, [0.01, 0.05])
+    assert (row.label, row.method) == ("fedprox@strong", "fedprox")
+    assert row.grid == [{"fedprox.mu": mu, "local-epochs": 3, "lr": lr}
+                        for mu in (0.1, 1.0) for lr in (0.01, 0.05)]
+    # fedfac.layers is a string key: "0,1" stays the word the user wrote
+    assert parse_row("fedfac:fedfac.layers=3|0", defaults, []).grid == [
+        {"fedfac.layers": "3"}, {"fedfac.layers": "0"}]
+    assert parse_row("fedavg:lr=0.1", defaults, [0.01, 0.05]).grid == [{"lr": 0.1}]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--methods", "fedavg,fedavg"], "a row label appears twice"),
+    (["--methods", "fedavg,fedprox:fedprox.mu=0.1|1", "--seeds", "0,1"],
+     "--tuning-seed 0 is a report seed"),
+    (["--methods", "fedavg,fedpre"], "fedpre"),
+    (["--methods", "fedavg", "--reference", "local"], "--reference: 'local' is not a row"),
+    (["--methods", "fedavg", "seed=3"], "seed: set by the command"),
+    (["--methods", "fedavg:lr"], "an entry's override is key=value"),
+])
+def test_a_mistake_in_the_command_is_one_line_and_exit_2_before_anything_runs(
+        argv, says, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compare: ") and says in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def compared(federation, tmp_path_factory):
+    """The comparison, run from a folder outside the repository without --out; the
+    repository's git status before and after."""
+    home = tmp_path_factory.mktemp("user-folder")
+    status = ["git", "status", "--porcelain", "--untracked-files=all"]
+    before = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout
+    with contextlib.chdir(home):
+        assert main(ARGS, federation=federation) == 0
+    after = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout
+    (out,) = (home / "outputs").glob("compare-*")
+    return out, before, after
+
+
+@pytest.mark.integration
+def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(compared,
+                                                                             federation):
+    out, before, after = compared
+    assert before == after  # nothing written into the checkout
+    assert not list((ROOT / "outputs").glob("compare-*"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["rows"]) == ["fedavg", "local"] and summary["failed"] == []
+    for label, row in summary["rows"].items():
+        assert row["seeds"] == [1, 2]
+        for seed in (1, 2):
+            results = json.loads(
+                (out / "runs" / label / f"report-defaults-seed{seed}" / "results.json")
+                .read_text())
+            assert results["config"]["seed"] == seed and results["method"] == label
+            curve = [r["eval"]["accuracy_weighted"] for r in results["rounds"]]
+            assert row["curves"][str(seed)] == curve and len(curve) == 2
+            assert row["per_seed"][str(seed)]["accuracy"] == pytest.approx(sum(curve) / 2)
+    versus = summary["rows"]["local"]["versus_reference"]
+    assert len(versus["paired_diffs"]) == 2 and versus["ci95"] is not None
+    report = (out / "report.md").read_text()
+    assert "| fedavg | defaults | 2 |" in report and "| reference |" in report
+    assert f"{100 * versus['mean_diff']:+.1f} [" in report
+    for plot in ("accuracy.png", "accuracy-vs-uplink.png"):
+        assert (out / plot).stat().st_size > 0
+    # run again into the same folder: every run is found, none is made again
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("results.json")}
+    assert main([*ARGS, "--out", str(out)], federation=federation) == 0
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+@pytest.mark.integration
+def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(compared):
+    from mlflow.tracking import MlflowClient
+
+    run_dir = compared[0] / "runs" / "local" / "report-defaults-seed2"
+    results = json.loads((run_dir / "results.json").read_text())
+    accuracy = [r["eval"]["accuracy_weighted"] for r in results["rounds"]]
+    lowest = [r["eval"]["accuracy_min"] for r in results["rounds"]]
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+               for tag in ("accuracy/weighted", "accuracy/min", "bytes/up")}
+    assert scalars["accuracy/weighted"] == [(r, pytest.approx(a, rel=1e-6))  # float32
+                                            for r, a in enumerate(accuracy, 1)]
+    assert [v for _, v in scalars["accuracy/min"]] == pytest.approx(lowest, rel=1e-6)
+    assert [v for _, v in scalars["bytes/up"]] == [r["bytes_up"] for r in results["rounds"]]
+    assert "accuracy/per_client" in events.Tags()["histograms"]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pflower").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "accuracy/weighted")
+    assert [(m.step, m.value) for m in history] == list(enumerate(accuracy, 1))
+    assert run.info.status == "FINISHED" and run.info.run_name == "local-seed2"
+    assert run.data.params["method"] == "local" and run.data.params["seed"] == "2"
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+    assert json.loads((artifacts / "per_client" / "round-0002.json").read_text()) == \
+        results["rounds"][-1]["eval"]["per_client"]
+    assert json.loads((artifacts / "results.json").read_text())["status"] == "completed"
