@@ -49,6 +49,9 @@ from launch.run_config import check_run_config, parse_overrides
 
 APP_ROOT = Path(__file__).resolve().parents[1]
 RISING = 0.002  # accuracy per round over the last 10 rounds: the curve has not flattened
+# keys that do not change a run's numbers: a stored run that differs only in these is reused
+NOT_IN_RESULTS = frozenset({"output-dir", "resume-from", "plot", "tracking", "device",
+                            "data-cache", "round-timeout", "max-in-flight"})
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,10 @@ class Comparison:
     """The rows' runs under ``out`` on one federation: stored runs are read, others run."""
 
     def __init__(self, federation: LocalFederation | None, app: Path, base: dict[str, Any],
-                 out: Path, supernodes: int) -> None:
+                 out: Path, resources: dict[str, Any], run_timeout: float) -> None:
         self.federation, self.app, self.base = federation, app, base
-        self.out, self.supernodes = out, supernodes
+        self.out, self.resources, self.run_timeout = out, resources, run_timeout
+        self.defaults = app_defaults(app)
         self.failed: list[str] = []
 
     def run_config(self, row: Row, config: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -95,26 +99,42 @@ class Comparison:
         for row in rows:
             for config in row.grid:
                 try:
-                    check_run_config(self.run_config(row, config, seeds[0]), self.app)
+                    settings = check_run_config(self.run_config(row, config, seeds[0]),
+                                                self.app)
+                    if settings.fraction_evaluate == 0:
+                        raise ConfigError("fraction-evaluate: 0 evaluates nothing to compare")
                 except ConfigError as error:
                     raise ConfigError(f"{row.label} {config_tag(config)}: {error}") from None
 
-    def run(self, row: Row, stage: str, config: dict[str, Any], seed: int
-            ) -> dict[str, Any] | None:
-        """The run's summary (``launch.comparison.summarize_run``); None if it failed."""
-        out = (self.out / "runs" / row.label.replace("@", "-")
+    def comparable(self, run_config: dict[str, Any]) -> dict[str, Any]:
+        """What a run's numbers depend on: its whole run config, defaults included, without
+        the keys that change no number (where it writes, tracking, timeouts)."""
+        return {k: v for k, v in {**self.defaults, **run_config}.items()
+                if k not in NOT_IN_RESULTS}
+
+    def summary(self, row: Row, stage: str, config: dict[str, Any], seed: int
+                ) -> dict[str, Any] | None:
+        """The run's summary (``launch.comparison.summarize_run``): read if it completed
+        under the same config, else run; None if it failed."""
+        out = (self.out / "runs" / row.label
                / f"{stage}-{config_tag(config)}-seed{seed}").resolve()
         run_config = {**self.run_config(row, config, seed), "output-dir": str(out)}
         results_path = out / "results.json"
         if results_path.exists():
             stored = json.loads(results_path.read_text())
-            if stored.get("status") == "completed" and stored.get("config") == {
-                    **stored.get("config", {}), **run_config}:
+            if (stored.get("status") == "completed"
+                    and self.comparable(stored.get("config", {})) ==
+                    self.comparable(run_config)):
                 return summarize_run(stored)
         if self.federation is None:
             return None
         print(f"[compare] {row.label} {stage} {config_tag(config)} seed {seed}", flush=True)
-        run = self.federation.run(self.app, run_config, num_supernodes=self.supernodes)
+        run = self.federation.run(self.app, run_config, timeout=self.run_timeout,
+                                  **self.resources)
+        if run.run_id and not run.status.startswith("finished"):
+            # the CLI gave up waiting (--run-timeout): stop the run, or it would compete
+            # with the next one for the machine
+            self.federation.stop(run.run_id)
         if not run.ok:
             reason = run.reason or run.status or "did not start"
             self.failed.append(f"{row.label} {stage} {config_tag(config)} seed {seed}: "
@@ -130,7 +150,7 @@ class Comparison:
             return row.grid[0], []
         tried = []
         for config in row.grid:
-            summary = self.run(row, "tune", config, tuning_seed)
+            summary = self.summary(row, "tune", config, tuning_seed)
             if summary is not None:
                 tried.append({"config": config, **run_figures(summary)})
         if not tried:
@@ -151,13 +171,15 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
         except RuntimeError as error:
             print(f"[compare] {error}", file=sys.stderr)
             continue
-        runs = {seed: s for seed in seeds
-                if (s := comparison.run(row, "report", chosen, seed)) is not None}
+        # keyed by the seed as a string, as JSON writes them
+        runs = {str(seed): s for seed in seeds
+                if (s := comparison.summary(row, "report", chosen, seed)) is not None}
         if runs:
             summary["rows"][row.label] = {
                 "method": row.method, "grid": row.grid, "chosen": chosen, "tuning": tried,
                 "curves": {seed: s["accuracy_per_round"] for seed, s in runs.items()},
-                "rounds": next(iter(runs.values()))["rounds"], **method_stats(runs)}
+                "rounds": {seed: s["rounds"] for seed, s in runs.items()},
+                **method_stats(runs)}
     base = summary["rows"].get(reference)
     for label, row_stats in summary["rows"].items():
         if base is not None and label != reference:
@@ -217,9 +239,13 @@ def plot(summary: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, row in summary["rows"].items():
-        curves = np.array(list(row["curves"].values()))
-        ax.plot(row["rounds"], curves.mean(0), label=label)
-        ax.fill_between(row["rounds"], curves.min(0), curves.max(0), alpha=0.15)
+        # the rounds every seed evaluated (a round whose evaluations were all dropped is
+        # missing from its seed's curve)
+        common = sorted(set.intersection(*(set(r) for r in row["rounds"].values())))
+        curves = np.array([[dict(zip(row["rounds"][s], c, strict=True))[r] for r in common]
+                           for s, c in row["curves"].items()])
+        ax.plot(common, curves.mean(0), label=label)
+        ax.fill_between(common, curves.min(0), curves.max(0), alpha=0.15)
     ax.set(xlabel="round", ylabel="personalized accuracy (weighted)")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -238,11 +264,22 @@ def plot(summary: dict[str, Any], out: Path) -> None:
 
 def write_report(summary: dict[str, Any], out: Path, command: str) -> str:
     text = report_markdown(summary, command)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "report.md").write_text(text)
     if summary["rows"]:
         plot(summary, out)
-    (out / "report.md").write_text(text)
     return text
+
+
+def check_same_clients(out: Path, supernodes: int) -> None:
+    """A comparison continued in ``out`` keeps its number of clients: the data split, which
+    no run config key records, depends on it."""
+    recorded = out / "clients.json"
+    if recorded.exists():
+        before = json.loads(recorded.read_text())["supernodes"]
+        if before != supernodes:
+            raise ConfigError(f"--supernodes {supernodes}: {out} holds runs with {before} "
+                              "clients (another split of the data); give another --out")
 
 
 def seed_list(text: str) -> list[int]:
@@ -268,7 +305,12 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
                         help="learning rates every row is tuned over, e.g. 0.01,0.05,0.1")
     parser.add_argument("--tuning-seed", type=int, default=0,
                         help="the seed grids are tuned on; not a report seed (default 0)")
-    parser.add_argument("--supernodes", type=int, default=10)
+    parser.add_argument("--supernodes", type=int, default=10,
+                        help="clients (the data is split into as many partitions)")
+    parser.add_argument("--cpus-per-client", type=int, default=1)
+    parser.add_argument("--gpus-per-client", type=float, default=0.0)
+    parser.add_argument("--run-timeout", type=float, default=4 * 3600,
+                        help="seconds one run may take before it is stopped (default 4 h)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default outputs/compare-<UTC time> in the current folder")
     parser.add_argument("--app", type=Path, default=APP_ROOT)
@@ -281,7 +323,11 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
         defaults = app_defaults(args.app.resolve())
         lr_grid = [float(v) for v in args.lr_grid.split(",") if v.strip()]
         rows = [parse_row(e, defaults, lr_grid) for e in args.methods.split(",") if e]
+        if not rows:
+            raise ConfigError("--methods: name at least one method, e.g. fedavg,fedper")
         labels = [r.label for r in rows]
+        if any("/" in label for label in labels):
+            raise ConfigError("--methods: a row label holds no '/' (it names a folder)")
         if len(set(labels)) != len(labels):
             raise ConfigError(f"--methods: a row label appears twice ({', '.join(labels)}); "
                               "tell them apart with @TAG, e.g. fedavg@lr0.1:lr=0.1")
@@ -292,17 +338,25 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
             raise ConfigError(f"--tuning-seed {args.tuning_seed} is a report seed: tuning "
                               "and reporting on the same seed favours the grids")
         base = parse_overrides(args.overrides, defaults)
-        for fixed in ("method", "seed", "output-dir"):
+        for fixed in ("method", "seed", "output-dir", "resume-from"):
             if fixed in base:
                 raise ConfigError(f"{fixed}: set by the command (--methods, --seeds, --out)")
+        if args.supernodes < 1:
+            raise ConfigError("--supernodes: at least 1")
         out = (args.out or Path("outputs")
                / f"compare-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
-        comparison = Comparison(federation, args.app.resolve(), base, out, args.supernodes)
+        resources = {"num_supernodes": args.supernodes,
+                     "cpus_per_client": args.cpus_per_client,
+                     "gpus_per_client": args.gpus_per_client}
+        check_same_clients(out, args.supernodes)
+        comparison = Comparison(federation, args.app.resolve(), base, out, resources,
+                                args.run_timeout)
         comparison.check(rows, args.seeds)
-    except (ConfigError, ValueError) as error:
+    except (ConfigError, ValueError, OSError) as error:
         print(f"compare: {error}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    (out / "clients.json").write_text(json.dumps({"supernodes": args.supernodes}))
     print(f"[compare] {len(rows)} rows x {len(args.seeds)} seeds, written to {out}",
           flush=True)
     if federation is None:

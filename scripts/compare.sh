@@ -6,6 +6,6 @@
 set -euo pipefail
 caller="$PWD"
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-export PYTHONPATH="$caller:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the launcher; the runs get $caller
 cd "$caller"
 exec python -m launch.compare "$@"

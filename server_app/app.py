@@ -23,10 +23,15 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    checkpoint = None
     try:
         settings = load_settings(context.run_config)
         initial, wire = initial_state(settings)
+        if settings.resume_from:
+            checkpoint = load_checkpoint(settings.resume_from)
+            check_resumable(checkpoint, settings.raw)
         out_dir = output_dir(settings)
+        # last: a run refused above leaves no tracking run open
         tracking = Tracking(settings.trackers(), out_dir, settings.raw)
     except ConfigError as error:
         log(ERROR, "Invalid run config: %s", error)
@@ -39,13 +44,7 @@ def main(grid: Grid, context: Context) -> None:
         settings.dataset, settings.partitioner, recorder.out_dir)
     first_round, arrays = 1, initial
     run_ids = [str(context.run_id)]  # this run and the runs it continues
-    if settings.resume_from:
-        checkpoint = load_checkpoint(settings.resume_from)
-        try:
-            check_resumable(checkpoint, settings.raw)
-        except ConfigError as error:
-            log(ERROR, "Invalid run config: %s", error)
-            raise ConfigError(str(error)) from None
+    if checkpoint is not None:
         first_round, arrays = resume(checkpoint, strategy, recorder)
         earlier = [str(r) for r in checkpoint.get("run_ids", [])]
         run_ids = [*earlier, *run_ids]

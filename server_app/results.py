@@ -134,9 +134,9 @@ class ResultsRecorder:
         self.extra.update(extra or {})
         self.status = "completed"
         self.write()
-        self.tracking.close(self.payload())
         if self.settings.plot and self.rounds:
             plot_results(self.payload(), self.out_dir / "results.png")
+        self.tracking.close(self.payload())
         final = self.final()
         log(INFO, "[final] %s: accuracy weighted %s mean %s std %s min %s | "
             "%.2f MB up, %.2f MB down | %.1f s", self.settings.method,

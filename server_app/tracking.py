@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.common.logger import log
 
-from common.config import ConfigError
+from common.config import TRACKERS, ConfigError
 
 # tracker name -> (the module it needs, the package that provides it)
 REQUIREMENTS = {"tensorboard": ("tensorboard", "tensorboard"),
@@ -125,6 +125,8 @@ class MlflowTracker:
 
 
 TRACKER_CLASSES = {"tensorboard": TensorBoardTracker, "mlflow": MlflowTracker}
+# the names the run config accepts (common.config) are the ones implemented here
+assert set(TRACKER_CLASSES) == set(REQUIREMENTS) == set(TRACKERS)
 
 
 class Tracking:

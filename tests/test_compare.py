@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common.config import app_defaults
 from launch.compare import main, parse_row
@@ -63,6 +62,9 @@ def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():
     (["--methods", "fedavg", "--reference", "local"], "--reference: 'local' is not a row"),
     (["--methods", "fedavg", "seed=3"], "seed: set by the command"),
     (["--methods", "fedavg:lr"], "an entry's override is key=value"),
+    (["--methods", ","], "name at least one method"),
+    (["--methods", "fedavg", "fraction-evaluate=0"], "evaluates nothing to compare"),
+    (["--methods", "fedavg", "--app", "/nonexistent"], "/nonexistent"),
 ])
 def test_a_mistake_in_the_command_is_one_line_and_exit_2_before_anything_runs(
         argv, says, capsys, tmp_path):
@@ -95,7 +97,7 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["rows"]) == ["fedavg", "local"] and summary["failed"] == []
     for label, row in summary["rows"].items():
-        assert row["seeds"] == [1, 2]
+        assert row["seeds"] == ["1", "2"]  # as JSON keys them
         for seed in (1, 2):
             results = json.loads(
                 (out / "runs" / label / f"report-defaults-seed{seed}" / "results.json")
@@ -115,11 +117,14 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("results.json")}
     assert main([*ARGS, "--out", str(out)], federation=federation) == 0
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    # another number of clients splits the data otherwise: refused, nothing run
+    assert main([*ARGS, "--supernodes", "3", "--out", str(out)], federation=federation) == 2
 
 
 @pytest.mark.integration
 def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(compared):
     from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = compared[0] / "runs" / "local" / "report-defaults-seed2"
     results = json.loads((run_dir / "results.json").read_text())
@@ -146,3 +151,31 @@ def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(c
     assert json.loads((artifacts / "per_client" / "round-0002.json").read_text()) == \
         results["rounds"][-1]["eval"]["per_client"]
     assert json.loads((artifacts / "results.json").read_text())["status"] == "completed"
+
+
+def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
+    from launch.compare import Comparison
+
+    resources = {"num_supernodes": 2, "cpus_per_client": 1, "gpus_per_client": 0.0}
+    comparison = Comparison(None, ROOT, {"num-server-rounds": 2}, tmp_path, resources, 60)
+    row = parse_row("fedavg", app_defaults(ROOT), [])
+    out = tmp_path / "runs" / "fedavg" / "report-defaults-seed1"
+    out.mkdir(parents=True)
+    config = {**app_defaults(ROOT), **comparison.run_config(row, {}, 1),
+              "output-dir": str(out)}
+    evaluated = {"accuracy_weighted": 0.5, "accuracy_min": 0.4}
+    results = {"status": "completed", "config": config,
+               "rounds": [{"round": 1, "bytes_up": 0, "eval": evaluated}],
+               "final": {**evaluated, "accuracy_mean": 0.5, "bytes_up_total": 0,
+                         "seconds_total": 1.0}}
+    (out / "results.json").write_text(json.dumps(results))
+    assert comparison.summary(row, "report", {}, 1)["accuracy_per_round"] == [0.5]
+    # moved, or tracked this time: the same numbers
+    moved = {**config, "output-dir": "/elsewhere", "tracking": "mlflow"}
+    (out / "results.json").write_text(json.dumps({**results, "config": moved}))
+    assert comparison.summary(row, "report", {}, 1) is not None
+    # a default that changed since (the app's pyproject), or a failed run: not reused
+    (out / "results.json").write_text(json.dumps({**results, "config": {**config, "lr": 0.01}}))
+    assert comparison.summary(row, "report", {}, 1) is None
+    (out / "results.json").write_text(json.dumps({**results, "status": "failed"}))
+    assert comparison.summary(row, "report", {}, 1) is None
