@@ -155,9 +155,10 @@ def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(c
 
 def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
     from launch.compare import Comparison
+    from launch.federation import LocalFederation
 
-    resources = {"num_supernodes": 2, "cpus_per_client": 1, "gpus_per_client": 0.0}
-    comparison = Comparison(None, ROOT, {"num-server-rounds": 2}, tmp_path, resources, 60)
+    comparison = Comparison(None, ROOT, {"num-server-rounds": 2}, tmp_path,
+                            LocalFederation.federation_config(2, 1, 0.0), 60)
     row = parse_row("fedavg", app_defaults(ROOT), [])
     out = tmp_path / "runs" / "fedavg" / "report-defaults-seed1"
     out.mkdir(parents=True)
