@@ -133,7 +133,8 @@ def _app_failing(tmp: Path, fail: str) -> Path:
 def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
     out = tmp_path / "out"
     done, _, _ = demo("--app", str(_app_failing(tmp_path, "all")), "num-server-rounds=6",
-                   "local-epochs=1", "plot=false", f"output-dir={out}", supernodes=3)
+                   "local-epochs=1", "plot=false", "tracking=mlflow", f"output-dir={out}",
+                   supernodes=3)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     reason = ("training of round 3: all 3 clients that replied failed: OSError: the disk of "
               "this site is full")
@@ -154,6 +155,18 @@ def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
     assert results["rounds"][1]["train"]["num_clients"] == 3
     dropped = results["rounds"][2]["dropped"]
     assert sorted(d["client"] for d in dropped if d["stage"] == "train") == ["0", "1", "2"]
+    # the tracker closes the run as failed, with what results.json keeps
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pflower").experiment_id])
+    assert run.info.status == "FAILED"
+    history = client.get_metric_history(run.info.run_id, "accuracy/weighted")
+    assert [(m.step, m.value) for m in history] == [
+        (r["round"], r["eval"]["accuracy_weighted"]) for r in results["rounds"] if "eval" in r]
+    logged = json.loads((Path(run.info.artifact_uri.removeprefix("file://"))
+                         / "results.json").read_text())
+    assert (logged["status"], logged["reason"]) == ("failed", reason)
 
 
 @pytest.mark.integration
