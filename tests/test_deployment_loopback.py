@@ -44,19 +44,6 @@ def _net_namespace(pid: int | str) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
-def test_insecure_deployment_runs_a_personalized_method(tmp_path):
-    """Each SuperNode in its own network namespace with its own address where the machine
-    allows it (``ip netns``), else on loopback."""
-    with LocalDeployment(3, home=tmp_path / "home", namespaces=NAMESPACES) as deployment:
-        out = tmp_path / "out"
-        run = deployment.run(ROOT, {**CONFIG, "output-dir": str(out)})
-        _check(run, out, tmp_path, deployment)
-        if NAMESPACES:  # checked once the SuperNodes have served (``ip netns exec`` has
-            # switched namespace by then; right after spawning it may not have yet)
-            site_namespaces = {_net_namespace(p.pid) for p in deployment.sites.values()}
-            assert len(site_namespaces) == 3 and _net_namespace("self") not in site_namespaces
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_tls_deployment_with_certificates_from_the_script(tmp_path):
     certs = tmp_path / "certs"
@@ -115,14 +102,20 @@ def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
     assert "site-2" in rounds[5].get("eval", {}).get("per_client", {}), rounds[5]
 
 
-def test_a_stopped_run_resumes_to_the_same_results(tmp_path):
-    """``flwr stop`` the ServerApp after round 1 of 3, resume from its checkpoint: the
-    results equal an uninterrupted run's (personal state comes back from state-dir)."""
+def test_an_insecure_deployment_runs_and_a_stopped_run_resumes_to_the_same_results(tmp_path):
+    """An insecure deployment, each SuperNode in its own network namespace with its own
+    address where the machine allows it (``ip netns``), else on loopback, runs a personalized
+    method. Then ``flwr stop`` the ServerApp after round 1 of 3, resume from its checkpoint:
+    the results equal the uninterrupted run's (personal state comes back from state-dir)."""
     base = {**CONFIG, "num-server-rounds": 3}
     full, stopped, resumed = tmp_path / "full", tmp_path / "stopped", tmp_path / "resumed"
-    with LocalDeployment(3, home=tmp_path / "home") as deployment:
+    with LocalDeployment(3, home=tmp_path / "home", namespaces=NAMESPACES) as deployment:
         uninterrupted = deployment.run(ROOT, {**base, "output-dir": str(full)})
-        assert uninterrupted.ok, uninterrupted.output[-3000:]
+        _check(uninterrupted, full, tmp_path, deployment)
+        if NAMESPACES:  # checked once the SuperNodes have served (``ip netns exec`` has
+            # switched namespace by then; right after spawning it may not have yet)
+            site_namespaces = {_net_namespace(p.pid) for p in deployment.sites.values()}
+            assert len(site_namespaces) == 3 and _net_namespace("self") not in site_namespaces
         runner, result = run_in_background(deployment, {**base, "output-dir": str(stopped)})
         wait_for(lambda: _rounds_done(stopped) >= 1, 900, poll=0.2)
         running = [r["run-id"] for r in deployment.runs() if r["status"] == "running"]
