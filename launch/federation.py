@@ -308,7 +308,8 @@ class LocalFederation:
     def control_client(self) -> Any:
         """The SuperLink's Control API, reached as ``flwr`` reaches it: through the default
         connection in ``FLWR_HOME/config.toml`` (``:local:`` is this federation's own port).
-        Asked in-process: a ``flwr ls`` process costs about 1 s, the request 0.02 s."""
+        Asked in-process: a ``flwr ls`` process costs about 1 s, the request 0.02 s. A
+        context manager: leaving it closes its HTTP connections."""
         from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
         from flwr.supercore.control import ControlHttpClient
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
@@ -335,7 +336,8 @@ class LocalFederation:
 
         request = ListRunsRequest(run_id=int(run_id)) if run_id is not None else ListRunsRequest()
         try:
-            listed = self.control_client().ListRuns(request)
+            with self.control_client() as control:
+                listed = control.ListRuns(request)
         except httpx.HTTPStatusError as error:
             if error.response.status_code == 404:  # the SuperLink does not know run_id
                 return []
@@ -346,10 +348,11 @@ class LocalFederation:
                  "status-details": row.details} for row in rows]
 
     def stop(self, run_id: str) -> None:
-        """``flwr stop RUN_ID``: the SuperLink stops the run's ServerApp."""
+        """What ``flwr stop RUN_ID`` asks: the SuperLink stops the run's ServerApp."""
         from flwr.proto.control_pb2 import StopRunRequest
 
-        self.control_client().StopRun(StopRunRequest(run_id=int(run_id)))
+        with self.control_client() as control:
+            control.StopRun(StopRunRequest(run_id=int(run_id)))
 
 
 def main() -> None:
