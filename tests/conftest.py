@@ -185,6 +185,16 @@ def read_results(out_dir: Path) -> dict[str, Any]:
     return json.loads((out_dir / "results.json").read_text())
 
 
+def read_mlflow_run(out_dir: Path) -> tuple[Any, Any, Path]:
+    """The one MLflow run that a run with ``tracking`` mlflow wrote under ``out_dir``
+    (``server_app/tracking.py``): the client on its store, the run, its artifacts folder."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pflower").experiment_id])
+    return client, run, Path(run.info.artifact_uri.removeprefix("file://"))
+
+
 def wait_for(predicate, timeout: float, poll: float = 1.0) -> None:
     """Poll ``predicate`` until it holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

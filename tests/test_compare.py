@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from common.config import app_defaults
 from launch.compare import main, parse_row
 from launch.comparison import last_rounds_mean, paired_difference, slope
-from tests.conftest import ROOT
+from tests.conftest import ROOT, read_mlflow_run
 
 ARGS = ["--methods", "fedavg,local", "--seeds", "1,2", "--supernodes", "2",
         "num-server-rounds=2", "local-epochs=1", "tracking=tensorboard,mlflow"]
@@ -123,7 +122,6 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
 
 @pytest.mark.integration
 def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(compared):
-    from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = compared[0] / "runs" / "local" / "report-defaults-seed2"
@@ -141,13 +139,11 @@ def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(c
     assert [v for _, v in scalars["bytes/up"]] == [r["bytes_up"] for r in results["rounds"]]
     assert "accuracy/per_client" in events.Tags()["histograms"]
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("pflower").experiment_id])
+    client, run, artifacts = read_mlflow_run(run_dir)
     history = client.get_metric_history(run.info.run_id, "accuracy/weighted")
     assert [(m.step, m.value) for m in history] == list(enumerate(accuracy, 1))
     assert run.info.status == "FINISHED" and run.info.run_name == "local-seed2"
     assert run.data.params["method"] == "local" and run.data.params["seed"] == "2"
-    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
     assert json.loads((artifacts / "per_client" / "round-0002.json").read_text()) == \
         results["rounds"][-1]["eval"]["per_client"]
     assert json.loads((artifacts / "results.json").read_text())["status"] == "completed"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import copy_app
+from tests.conftest import copy_app, read_mlflow_run
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "scripts" / "demo.sh"
@@ -156,16 +156,12 @@ def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
     dropped = results["rounds"][2]["dropped"]
     assert sorted(d["client"] for d in dropped if d["stage"] == "train") == ["0", "1", "2"]
     # the tracker closes the run as failed, with what results.json keeps
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("pflower").experiment_id])
+    client, run, artifacts = read_mlflow_run(out)
     assert run.info.status == "FAILED"
     history = client.get_metric_history(run.info.run_id, "accuracy/weighted")
     assert [(m.step, m.value) for m in history] == [
         (r["round"], r["eval"]["accuracy_weighted"]) for r in results["rounds"] if "eval" in r]
-    logged = json.loads((Path(run.info.artifact_uri.removeprefix("file://"))
-                         / "results.json").read_text())
+    logged = json.loads((artifacts / "results.json").read_text())
     assert (logged["status"], logged["reason"]) == ("failed", reason)
 
 
