@@ -13,10 +13,10 @@ from flwr.app import Array, ArrayRecord, Context, MetricRecord, RecordDict
 from client_app.runtime import Client
 from common.protocol import ClientReply
 from models.pfedc import BranchHead, branch_of_key, task_groups
-from strategies.pfedc.client import mgda_ub_weights, min_norm_weights
+from strategies.pfedc.client import mgda_ub_weights, min_norm_weights, train_pfedc
 from strategies.pfedc.server import PFedCStrategy, masked_branch_average
-from strategies.registry import initial_state, load_settings, wire_spec
-from strategies.training import LocalTraining
+from strategies.registry import build_model, initial_state, load_settings, wire_spec
+from strategies.training import LocalTraining, sgd
 from tests.conftest import app_config, read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +34,17 @@ def test_branch_head_targets_and_prediction():
     t0, t1 = head.task_targets(y).T
     assert t0.tolist() == [0, 2, 3, 3]                # slot 3 = "other"
     assert t1.tolist() == [2, 2, 0, 1]                # slot 2 = "other"
-    scores = head(torch.randn(4, 4))
-    assert scores.shape == (4, 5) and (scores <= 0).all()
+    # prediction: each class scores its own branch's log-probability; a branch sure of
+    # "other" gives its classes nothing, whatever their raw logits
+    for branch in head.branches:
+        torch.nn.init.zeros_(branch.weight)
+    with torch.no_grad():
+        head.branches[0].bias.copy_(torch.tensor([2.0, 0.0, 0.0, 9.0]))  # sure: not 0-2
+        head.branches[1].bias.copy_(torch.tensor([0.0, 3.0, 0.0]))       # likely: class 4
+        scores = head(torch.randn(4, 4))
+        assert scores.shape == (4, 5) and scores.argmax(1).tolist() == [4] * 4
+        head.branches[0].bias.copy_(torch.tensor([6.0, 0.0, 0.0, 0.0]))  # sure: class 0
+        assert head(torch.randn(4, 4)).argmax(1).tolist() == [0] * 4
     single = BranchHead(4, task_groups(5, 1))         # one task: an ordinary classifier
     assert single.branches[0].out_features == 5
 
@@ -150,6 +159,86 @@ def test_mgda_weights_from_representation_gradients():
     grads = grads / (losses.detach() * grads.norm(dim=1)).unsqueeze(1)
     expected = min_norm_weights((grads @ grads.T).double().numpy())
     np.testing.assert_allclose(w.numpy(), expected, atol=1e-5)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch holding three of the ten classes, mostly class 0: the task losses differ
+    widely, so MGDA-UB's weights are far from uniform."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 1, 8, 8, generator=generator)
+    return x, torch.tensor([0] * 10 + [1] * 4 + [7] * 2)
+
+
+def _step(mgda: bool, objective) -> dict[str, torch.Tensor]:
+    """The model after one SGD step from the same start on ``_batch`` with the loss
+    ``objective(model, x, y)``, or with ``train_pfedc`` when ``objective`` is None."""
+    settings = load_settings(app_config(method="pfedc", **{"pfedc.mgda": mgda,
+                                                            "local-epochs": 1}))
+    model = build_model(settings)
+    x, y = _batch()
+    if objective is None:
+        train_pfedc(LocalTraining(model, [(x, y)], settings, torch.device("cpu"), 1))
+    else:
+        model.train()
+        optimizer = sgd(model.parameters(), settings)
+        objective(model, x, y).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _weighted_task_losses(model, x, y) -> torch.Tensor:
+    z = model.features(x)
+    losses = model.head.task_losses(z, y)
+    return mgda_ub_weights(losses, z) @ losses
+
+
+def _mean_task_loss(model, x, y) -> torch.Tensor:
+    return model.head.task_losses(model.features(x), y).mean()
+
+
+def _c_way_cross_entropy(model, x, y) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+
+@pytest.mark.parametrize("mgda", [True, False])
+def test_local_rule_descends_the_weighted_sum_of_the_task_losses(mgda):
+    """One step of pFedC's local rule is one step on ``sum_t lambda_t L_t``: MGDA-UB's
+    weights when ``pfedc.mgda`` is on (not merely computed), ``1/T`` when off; never the
+    plain C-way cross-entropy of the combined scores."""
+    trained = _step(mgda, None)
+    expected = _step(mgda, _weighted_task_losses if mgda else _mean_task_loss)
+    assert _same(trained, expected)
+    # the three objectives move the model apart, so the check above tells them apart
+    other = _step(mgda, _mean_task_loss if mgda else _weighted_task_losses)
+    assert not _same(trained, other)
+    assert not _same(trained, _step(mgda, _c_way_cross_entropy))
+    model = build_model(load_settings(app_config(method="pfedc")))
+    x, y = _batch()
+    z = model.features(x)
+    weights = mgda_ub_weights(model.head.task_losses(z, y), z)
+    assert float(weights.max() / weights.min()) > 2  # far from 1/T each
+
+
+def test_the_shared_extractor_is_averaged_by_examples_eq6():
+    """``phi <- sum_i (D_i / D) phi_i``: a client with three times the examples weighs three
+    times as much; the branches keep their own rule (eq. 7)."""
+    strategy = _strategy()
+    arrays = initial_state(strategy.settings).arrays
+    replies = []
+    for pid, (value, examples) in enumerate(((1.0, 10), (5.0, 30))):
+        client = _client(pid)
+        sent = client.shared_arrays(client.model(arrays), arrays)
+        phi = {k: Array(np.full_like(sent[k].numpy(), value)) for k in strategy.wire.phi_keys}
+        branches = {k: sent[k] for k in sent if k not in phi}
+        replies.append(ClientReply(pid, client.client_id, ArrayRecord({**phi, **branches}),
+                                   MetricRecord({"num-examples": examples}), client.identity()))
+    merged = strategy.aggregate_train(1, replies, arrays)
+    for key in strategy.wire.phi_keys:
+        np.testing.assert_allclose(merged[key].numpy(), (1.0 * 10 + 5.0 * 30) / 40, rtol=1e-6)
 
 
 def _client(pid: int, **overrides) -> Client:
