@@ -86,13 +86,27 @@ def factorize(model: nn.Module) -> nn.Module:
 
 
 def factorized_layers(model: nn.Module) -> list[str]:
-    """Module names of the factorized layers, in forward order."""
+    """Module names of the factorized layers, in registration order."""
     return [name for name, m in model.named_modules() if isinstance(m, FACTORIZED)]
 
 
-def matching_key(model: nn.Module) -> str:
-    """``v`` of the last factorized layer before the classifier: the matching vector."""
-    return f"{factorized_layers(model)[-1]}.v"
+def matching_key(model: nn.Module, input_shape: tuple[int, ...]) -> str:
+    """The matching vector: ``v`` of the factorized layer that runs last before the
+    classifier (the paper's penultimate layer), found by running ``model`` once on a batch of
+    ``input_shape`` zeros, since a user's model may register its layers out of forward order."""
+    ran: list[str] = []
+    hooks = [module.register_forward_hook(lambda *_, name=name: ran.append(name))
+             for name, module in model.named_modules() if isinstance(module, FACTORIZED)]
+    was_training = model.training
+    try:
+        model.eval()  # BatchNorm statistics stay as they are
+        with torch.no_grad():
+            model(torch.zeros(2, *input_shape, device=next(model.parameters()).device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return f"{ran[-1]}.v"
 
 
 def l1_of_mu(model: nn.Module) -> Tensor:

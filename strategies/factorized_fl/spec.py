@@ -23,6 +23,7 @@ from torch import nn
 
 from common.config import KeyGroup, RunSettings, key
 from common.protocol import ArraySpec
+from fldata import dataset_shape
 from models.factorized_fl import factorized_layers, matching_key
 from strategies.wire import Masks, WireSpec, state_keys, tensor_spec
 
@@ -38,7 +39,7 @@ class FactorizedFLSettings(KeyGroup):
 class FactorsShared(WireSpec[FactorizedFLSettings]):
     def __init__(self, model: nn.Module, settings: RunSettings[FactorizedFLSettings]) -> None:
         super().__init__(model, settings)
-        self.match_key = matching_key(model)
+        self.match_key = matching_key(model, dataset_shape(settings)[0])
         self.uplink: ArraySpec = {**self.shared_spec,
                                   **tensor_spec(model.state_dict(), [self.match_key])}
 
