@@ -8,11 +8,14 @@ the SuperLink come from node 1, so replies are matched through the ids of the me
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from logging import WARNING
 from typing import Any
 
+import httpx
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.config import RunSettings
@@ -20,6 +23,8 @@ from common.protocol import ARRAYS, CONFIG, EVALUATE_FIRST, SERVER_ROUND
 from strategies.engine.accounting import RoundLedger
 
 POLL_SECONDS = 0.2
+# A SuperLink that keeps answering pulls with errors this long is broken, not busy.
+BUSY_SUPERLINK_SECONDS = 30.0
 Downlink = Callable[[int, str | None, ArrayRecord], ArrayRecord]
 """(round, client id or None, the shared arrays) -> what that client receives."""
 
@@ -63,12 +68,13 @@ def exchange(grid: Grid, messages: list[Message], timeout: float,
     pending: set[str] = set()
     deadline = time.monotonic() + timeout
     replies: list[Message] = []
+    failing_since: float | None = None
     while True:
         if waiting and len(pending) < in_flight:
             room = in_flight - len(pending)
             batch, waiting = waiting[:room], waiting[room:]
             pending.update(grid.push_messages(batch))  # the Grid fills in the message ids
-        arrived = list(grid.pull_messages(pending))
+        arrived, failing_since = _pull(grid, pending, failing_since)
         replies += arrived
         pending.difference_update(r.metadata.reply_to_message_id for r in arrived)
         if (not pending and not waiting) or time.monotonic() >= deadline:
@@ -78,6 +84,26 @@ def exchange(grid: Grid, messages: list[Message], timeout: float,
     destination = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
     return Exchange(messages, [(destination.get(r.metadata.reply_to_message_id,
                                                 r.metadata.src_node_id), r) for r in replies])
+
+
+def _pull(grid: Grid, pending: Iterable[str], failing_since: float | None
+          ) -> tuple[list[Message], float | None]:
+    """The replies that have arrived, and since when pulls have failed (None: this one did
+    not). A SuperLink under load answers a pull with HTTP 500 when its SQLite store stays
+    locked past its 5 s busy timeout ("database is locked"); Flower's HTTP client retries 502,
+    503 and 504 but not 500, so the pull is tried again at the next poll, up to
+    ``BUSY_SUPERLINK_SECONDS`` of failures in a row. A refused pull nothing has been taken
+    from: the replies are still there to pull."""
+    try:
+        return list(grid.pull_messages(pending)), None
+    except httpx.HTTPStatusError as error:
+        now = time.monotonic()
+        if (error.response.status_code != httpx.codes.INTERNAL_SERVER_ERROR
+                or (failing_since is not None and now - failing_since > BUSY_SUPERLINK_SECONDS)):
+            raise
+        log(WARNING, "the SuperLink answered a pull with %s; pulling again",
+            error.response.status_code)
+        return [], failing_since if failing_since is not None else now
 
 
 @dataclass
