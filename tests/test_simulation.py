@@ -12,6 +12,7 @@ from strategies.registry import build_model, load_settings
 from tests.conftest import (
     REFERENCE,
     REFERENCE_CLIENTS,
+    USER_CODE,
     app_config,
     check_results_schema,
     copy_app,
@@ -48,9 +49,10 @@ def test_shared_bytes_match_the_shared_keys(shared_runs):
     """FedPer sends exactly FedAvg's payload minus the head, counted by count_bytes()."""
     sizes = {method: shared_runs.reference(method)[1]["rounds"][0]["bytes_up"]
              for method in ("fedavg", "fedper")}
-    model = build_model(load_settings({**app_config(), "method": "fedavg"}))
+    model = build_model(load_settings({**app_config(), "method": "fedavg",
+                                       "model": REFERENCE["model"]}))
     head = ArrayRecord({k: v for k, v in model.state_dict().items() if k.startswith("head.")})
-    assert head.count_bytes() > (128 * 10 + 10) * 4  # cnn head: Linear(128, 10), float32
+    assert head.count_bytes() > (32 * 10 + 10) * 4  # the user's classifier: Linear(32, 10)
     assert sizes["fedavg"] - sizes["fedper"] == REFERENCE_CLIENTS * head.count_bytes()
 
 
@@ -157,7 +159,7 @@ def test_a_warm_run_equals_a_cold_run_of_the_same_seed(shared_runs, tmp_path):
     the same config gives the same results."""
     assert shared_runs.federation.ray_address is not None  # the shared runs are warm
     warm = shared_runs.reference("fedavg")[1]
-    with LocalFederation() as cold_federation:
+    with LocalFederation(pythonpath=[USER_CODE]) as cold_federation:
         cold = cold_federation.run(ROOT, {**REFERENCE, "method": "fedavg",
                                           "output-dir": str(tmp_path)},
                                    num_supernodes=REFERENCE_CLIENTS)

@@ -14,15 +14,18 @@ from torch import nn
 from common.config import ConfigError
 from strategies.registry import REGISTRY, build_model, load_settings
 from tests.conftest import (
+    REFERENCE,
+    REFERENCE_CLIENTS,
     ROOT,
     USER_CODE,
+    USER_MODEL,
     app_config,
     check_results_schema,
     read_results,
 )
 from tests.test_fail_fast import demo
 
-CLASSIFIER_FIRST = "user_models:classifier_first"
+CLASSIFIER_FIRST = USER_MODEL
 RESNET = "user_models:resnet18"
 
 
@@ -91,18 +94,18 @@ def test_the_launcher_stops_an_unusable_model_with_one_line(tmp_path):
     assert "does not return an nn.Linear's output" in done.stderr
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("method", sorted(REGISTRY))
+def test_every_method_runs_on_a_users_model(shared_runs, method):
+    """Each method's reference run (tests/conftest.py) is on the user's model."""
+    _, results = shared_runs.reference(method)
+    assert results["config"]["model"] == CLASSIFIER_FIRST == REFERENCE["model"]
+    check_results_schema(results, method, REFERENCE["num-server-rounds"], REFERENCE_CLIENTS)
+
+
 # the fewest rounds and clients that carry one round's state into the next (and evaluate
 # round 1 inside round 2's messages)
 USER_RUN = {"num-server-rounds": 2, "local-epochs": 1, "plot": False}
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("method", sorted(REGISTRY))
-def test_every_method_runs_on_a_users_model(federation, tmp_path, method):
-    run = federation.run(ROOT, {**USER_RUN, "method": method, "model": CLASSIFIER_FIRST,
-                                "output-dir": str(tmp_path)}, num_supernodes=2)
-    assert run.ok, run.output[-3000:]
-    check_results_schema(read_results(tmp_path), method, 2, 2)
 
 
 @pytest.mark.integration
