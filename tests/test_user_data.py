@@ -87,8 +87,9 @@ def test_a_local_dataset_reads_as_the_images_it_holds(user_data, kind):
 
 
 @pytest.mark.parametrize("partitioner", ["dirichlet", "pathological"])
-def test_a_local_dataset_is_partitioned_by_the_run_partitioner(user_data, partitioner):
-    settings = load_settings(app_config(**user_data["parquet"], partitioner=partitioner,
+@pytest.mark.parametrize("kind", ["image-folder", "parquet"])
+def test_a_local_dataset_is_partitioned_by_the_run_partitioner(user_data, kind, partitioner):
+    settings = load_settings(app_config(**user_data[kind], partitioner=partitioner,
                                         **{"classes-per-client": 2, "min-partition-size": 5}))
     parts = [load_client_data(settings, pid, 3) for pid in range(3)]
     assert sum(len(p.y_train) + len(p.y_test) for p in parts) <= DIGITS
@@ -114,9 +115,11 @@ def test_hub_ids_are_told_from_local_paths(tmp_path):
     assert dataset_shape(settings) == ((3, 32, 32), 4)
 
 
+# each format and each partitioner in one real run (both partitioners split both formats in
+# test_a_local_dataset_is_partitioned_by_the_run_partitioner)
 @pytest.mark.integration
-@pytest.mark.parametrize("partitioner", ["dirichlet", "pathological"])
-@pytest.mark.parametrize("kind", ["image-folder", "parquet"])
+@pytest.mark.parametrize(("kind", "partitioner"), [("image-folder", "dirichlet"),
+                                                   ("parquet", "pathological")])
 def test_a_users_dataset_runs_two_rounds(federation, tmp_path, user_data, kind, partitioner):
     run = federation.run(ROOT, {**user_data[kind], "partitioner": partitioner,
                                 "classes-per-client": 4, "min-partition-size": 5,
