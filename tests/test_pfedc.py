@@ -39,7 +39,7 @@ def test_branch_head_targets_and_prediction():
     for branch in head.branches:
         torch.nn.init.zeros_(branch.weight)
     with torch.no_grad():
-        head.branches[0].bias.copy_(torch.tensor([2.0, 0.0, 0.0, 9.0]))  # sure: not 0-2
+        head.branches[0].bias.copy_(torch.tensor([5.0, 0.0, 0.0, 9.0]))  # sure: not 0-2
         head.branches[1].bias.copy_(torch.tensor([0.0, 3.0, 0.0]))       # likely: class 4
         scores = head(torch.randn(4, 4))
         assert scores.shape == (4, 5) and scores.argmax(1).tolist() == [4] * 4
@@ -225,7 +225,7 @@ def test_local_rule_descends_the_weighted_sum_of_the_task_losses(mgda):
 
 def test_the_shared_extractor_is_averaged_by_examples_eq6():
     """``phi <- sum_i (D_i / D) phi_i``: a client with three times the examples weighs three
-    times as much; the branches keep their own rule (eq. 7)."""
+    times as much."""
     strategy = _strategy()
     arrays = initial_state(strategy.settings).arrays
     replies = []

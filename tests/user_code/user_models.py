@@ -11,8 +11,8 @@ from torch import nn
 
 
 class ClassifierFirst(nn.Module):
-    """Layers registered out of forward order: the classifier first, a BatchNorm'd conv
-    stage after it, the hidden Linear last."""
+    """Layers registered out of forward order: the classifier first, then the hidden
+    Linear, then the BatchNorm'd conv stage that runs first."""
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
