@@ -56,8 +56,10 @@ def test_pulls_refused_by_a_busy_superlink_are_tried_again_and_no_reply_is_lost(
 
 def test_a_superlink_that_keeps_failing_or_refuses_otherwise_stops_the_exchange(monkeypatch):
     monkeypatch.setattr(exchange_module, "BUSY_SUPERLINK_SECONDS", 0.5)
+    busy = BusyLink(failures=10**6)
     with pytest.raises(httpx.HTTPStatusError):
-        exchange(BusyLink(failures=10**6), _messages(2), timeout=30)
+        exchange(busy, _messages(2), timeout=30)
+    assert busy.pulls > 2  # tried again until the limit, every POLL_SECONDS
     refusing = BusyLink(failures=1, status=403)
     with pytest.raises(httpx.HTTPStatusError):
         exchange(refusing, _messages(2), timeout=30)

@@ -92,8 +92,11 @@ def _pull(grid: Grid, pending: Iterable[str], failing_since: float | None
     not). A SuperLink under load answers a pull with HTTP 500 when its SQLite store stays
     locked past its 5 s busy timeout ("database is locked"); Flower's HTTP client retries 502,
     503 and 504 but not 500, so the pull is tried again at the next poll, up to
-    ``BUSY_SUPERLINK_SECONDS`` of failures in a row. A refused pull nothing has been taken
-    from: the replies are still there to pull."""
+    ``BUSY_SUPERLINK_SECONDS`` of failures in a row. Where the lock failed the first step
+    (marking the replies delivered), the replies are still there for the next pull; where it
+    failed a later one (deleting them, or confirming their receipt), the SuperLink has handed
+    them over and they are lost: their nodes count as not replying in time, as a dead node
+    does, instead of the whole run failing."""
     try:
         return list(grid.pull_messages(pending)), None
     except httpx.HTTPStatusError as error:
@@ -101,8 +104,8 @@ def _pull(grid: Grid, pending: Iterable[str], failing_since: float | None
         if (error.response.status_code != httpx.codes.INTERNAL_SERVER_ERROR
                 or (failing_since is not None and now - failing_since > BUSY_SUPERLINK_SECONDS)):
             raise
-        log(WARNING, "the SuperLink answered a pull with %s; pulling again",
-            error.response.status_code)
+        log(WARNING, "the SuperLink answered a pull with %s (busy?); pulling again; a reply "
+            "it had already handed over is lost", error.response.status_code)
         return [], failing_since if failing_since is not None else now
 
 
