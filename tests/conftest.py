@@ -67,8 +67,10 @@ def federation():
 # r+1's messages and one round follows another with state carried over; two local epochs, so
 # that a two-phase local rule (FedRep, FedDecomp) runs both phases. Its model is a user's own
 # (tests/user_code/user_models.py: layers registered out of forward order, BatchNorm), so that
-# each reference run is also that method's run on a user's model; the default CNN runs in the
-# paper methods' own tests, the deployment and compose tests and the demo.
+# each reference run is also that method's run on a user's model. The default CNN runs for
+# real in FedFac's, pFedC's and Factorized-FL's own tests, the deployment and compose tests
+# (FedPer, Local) and the demo (FedAvg); every method makes a round trip on it in
+# tests/test_wire.py.
 USER_MODEL = "user_models:classifier_first"
 REFERENCE = {"num-server-rounds": 3, "local-epochs": 2, "plot": False, "model": USER_MODEL}
 REFERENCE_CLIENTS = 3

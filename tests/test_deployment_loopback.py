@@ -1,7 +1,8 @@
-"""Integration: a real Deployment Runtime (flower-superlink + 3 flower-supernode processes,
-each with its own port, node config and state dir; in their own network namespaces where the
-machine allows, else on loopback), insecure and with TLS, a killed and restarted SuperNode,
-and a stopped and resumed run."""
+"""Integration: a real Deployment Runtime (flower-superlink + 2 to 4 flower-supernode
+processes, each with its own port, node config and state dir; in their own network namespaces
+where the machine allows, else on loopback), insecure and with TLS plus SuperNode
+authentication, a killed and restarted SuperNode, a node claiming another's id, a stopped and
+resumed run, and the README's recipe."""
 
 from __future__ import annotations
 

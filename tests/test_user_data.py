@@ -92,9 +92,13 @@ def test_a_local_dataset_is_partitioned_by_the_run_partitioner(user_data, kind, 
     settings = load_settings(app_config(**user_data[kind], partitioner=partitioner,
                                         **{"classes-per-client": 2, "min-partition-size": 5}))
     parts = [load_client_data(settings, pid, 3) for pid in range(3)]
+    assert all(len(p.y_train) >= 5 and len(p.y_test) > 0 for p in parts)
     assert sum(len(p.y_train) + len(p.y_test) for p in parts) <= DIGITS
-    if partitioner == "pathological":
-        assert all(len(np.unique(np.concatenate([p.y_train, p.y_test]))) <= 2 for p in parts)
+    classes = [len(np.unique(np.concatenate([p.y_train, p.y_test]))) for p in parts]
+    if partitioner == "pathological":  # classes-per-client, exactly
+        assert classes == [2, 2, 2], classes
+    else:  # Dirichlet over the ten classes: not two-class slices
+        assert max(classes) > 2, classes
 
 
 def test_a_missing_column_is_named_in_one_line(user_data):
