@@ -1,0 +1,82 @@
+"""The evidence matrix's time per cell, cold (before warm runs) and warm (as it runs now).
+
+    python bench/cell_time.py --cells 2
+
+The first ``--cells`` cells stored under bench/results/matrix/cells (sorted by path) are run
+again, each twice and interleaved, into a temporary folder (the stored cells are not
+touched):
+
+- cold: its own SuperLink and a private Ray instance started and stopped with the run, as
+  each cell ran before ``launch/ray_head.py``;
+- warm: on one SuperLink and one Ray head kept up between the runs (``warm_federation``, as
+  ``bench/matrix.py`` runs them); a first warm run, left out, starts the head's workers.
+
+Per cell: wall seconds of each, the sum of its rounds' seconds (``results.json``) and the
+fixed cost, wall minus rounds. Both runs of a cell must give the same accuracy (same seed).
+Writes ``bench/results/cell_time.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import RESULTS, write_report  # noqa: E402
+from launch.federation import LocalFederation  # noqa: E402
+from launch.ray_head import warm_federation  # noqa: E402
+
+
+def timed_run(federation: LocalFederation, config: dict, clients: int, out: Path
+              ) -> tuple[float, float, float]:
+    """(wall seconds, the rounds' seconds, final weighted accuracy) of one run."""
+    started = time.perf_counter()
+    run = federation.run(ROOT, {**config, "output-dir": str(out)}, num_supernodes=clients,
+                         timeout=1800)
+    wall = time.perf_counter() - started
+    if not run.ok:
+        sys.exit(f"{out.name}: the run failed ({run.status}):\n{run.output[-2000:]}")
+    results = json.loads((out / "results.json").read_text())
+    return (wall, sum(r["seconds"] for r in results["rounds"]),
+            results["final"]["accuracy_weighted"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=2)
+    args = parser.parse_args()
+    paths = sorted((RESULTS / "matrix" / "cells").rglob("*.json"))[:args.cells]
+    cells = [json.loads(path.read_text()) for path in paths]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, warm_federation() as warm:
+        first = cells[0]
+        timed_run(warm, first["run_config"], first["num_clients"], Path(tmp) / "warm-up")
+        for k, cell in enumerate(cells):
+            config, clients = cell["run_config"], cell["num_clients"]
+            with LocalFederation() as cold:
+                cold_run = timed_run(cold, config, clients, Path(tmp) / f"cold-{k}")
+            warm_run = timed_run(warm, config, clients, Path(tmp) / f"warm-{k}")
+            assert cold_run[2] == warm_run[2], (cold_run, warm_run)  # same seed, same run
+            rows.append((paths[k].relative_to(RESULTS / "matrix" / "cells"), clients,
+                         config["num-server-rounds"], cold_run, warm_run))
+    lines = ["| cell | clients, rounds | cold: wall / rounds / fixed (s) "
+             "| warm: wall / rounds / fixed (s) | warm / cold wall |", "|---|---|---|---|---|"]
+    for name, clients, rounds, cold_run, warm_run in rows:
+        lines.append(f"| `{name}` | {clients}, {rounds} | {cold_run[0]:.1f} / {cold_run[1]:.1f} "
+                     f"/ {cold_run[0] - cold_run[1]:.1f} | {warm_run[0]:.1f} / "
+                     f"{warm_run[1]:.1f} / {warm_run[0] - warm_run[1]:.1f} | "
+                     f"{warm_run[0] / cold_run[0]:.2f} |")
+    write_report("cell_time", "The evidence matrix's time per cell, cold and warm",
+                 f"python bench/cell_time.py --cells {args.cells}",
+                 "\n".join(lines) + "\n\nBoth runs of each cell give the same final accuracy "
+                 "(checked). Fixed cost: wall time minus the sum of the rounds' seconds.\n")
+
+
+if __name__ == "__main__":
+    main()
