@@ -7,8 +7,36 @@ pFedC replaces it by branches), everything under ``body.*`` is the representatio
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+
+
+def forward_calls(model: nn.Module, input_shape: tuple[int, ...],
+                  kinds: type[nn.Module] | tuple[type[nn.Module], ...]
+                  ) -> tuple[Any, list[tuple[str, Tensor, Any]]]:
+    """``model``'s output on a batch of two ``input_shape`` zeros, and the calls of its
+    ``kinds`` submodules in the order they ran: (name, first input, output). Forward order is
+    what "the layer before the classifier" means in a model that registers its layers in
+    another order. Run in eval mode (one sample per BatchNorm channel is fine, and its
+    statistics stay as they are), without gradients; the training flag is restored."""
+    calls: list[tuple[str, Tensor, Any]] = []
+    hooks = [module.register_forward_hook(
+        lambda _module, inputs, output, name=name: calls.append((name, inputs[0], output)))
+        for name, module in model.named_modules() if isinstance(module, kinds)]
+    parameter = next(model.parameters(), None)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            output = model(torch.zeros(2, *input_shape, device=parameter.device
+                                       if parameter is not None else None))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return output, calls
 
 
 class Backbone(nn.Module):

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from common.config import ConfigError
+from models.backbones import forward_calls
 
 
 class FactorizedLinear(nn.Module):
@@ -94,19 +95,8 @@ def matching_key(model: nn.Module, input_shape: tuple[int, ...]) -> str:
     """The matching vector: ``v`` of the factorized layer that runs last before the
     classifier (the paper's penultimate layer), found by running ``model`` once on a batch of
     ``input_shape`` zeros, since a user's model may register its layers out of forward order."""
-    ran: list[str] = []
-    hooks = [module.register_forward_hook(lambda *_, name=name: ran.append(name))
-             for name, module in model.named_modules() if isinstance(module, FACTORIZED)]
-    was_training = model.training
-    try:
-        model.eval()  # BatchNorm statistics stay as they are
-        with torch.no_grad():
-            model(torch.zeros(2, *input_shape, device=next(model.parameters()).device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
-    return f"{ran[-1]}.v"
+    _, calls = forward_calls(model, input_shape, FACTORIZED)
+    return f"{calls[-1][0]}.v"
 
 
 def l1_of_mu(model: nn.Module) -> Tensor:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 
 from common.config import ConfigError
-from models.backbones import Backbone
+from models.backbones import Backbone, forward_calls
 
 FACTORY_FORM = "'package.module:factory' (a callable taking input_shape, num_classes)"
 
@@ -70,22 +69,11 @@ def build_user_backbone(spec: str, input_shape: tuple[int, ...], num_classes: in
 def find_classifier(spec: str, model: nn.Module, input_shape: tuple[int, ...],
                     num_classes: int) -> tuple[str, nn.Linear]:
     """The name and module of the ``nn.Linear`` whose output ``model`` returns."""
-    calls: list[tuple[str, Tensor, Tensor]] = []
-    hooks = [module.register_forward_hook(
-        lambda _module, inputs, output, name=name: calls.append((name, inputs[0], output)))
-        for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    was_training = model.training
     try:
-        model.eval()  # one sample per BatchNorm channel is fine in eval mode
-        with torch.no_grad():
-            output = model(torch.zeros(2, *input_shape))
+        output, calls = forward_calls(model, input_shape, nn.Linear)
     except Exception as error:  # the user's forward: any failure is reported in one line
         raise ConfigError(f"model: {spec!r} fails on a batch of shape {(2, *input_shape)}: "
                           f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
     if not isinstance(output, Tensor) or tuple(output.shape) != (2, num_classes):
         shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
         raise ConfigError(f"model: {spec!r} returns {shape} for a batch of 2; expected "
