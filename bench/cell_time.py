@@ -22,29 +22,21 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.overhead import timed_run  # noqa: E402
 from bench.report import RESULTS, write_report  # noqa: E402
 from launch.federation import LocalFederation  # noqa: E402
 from launch.ray_head import warm_federation  # noqa: E402
 
+CELL_TIMEOUT = 1800  # seconds, as bench/evidence/cells.py gives a cell
 
-def timed_run(federation: LocalFederation, config: dict, clients: int, out: Path
-              ) -> tuple[float, float, float]:
-    """(wall seconds, the rounds' seconds, final weighted accuracy) of one run."""
-    started = time.perf_counter()
-    run = federation.run(ROOT, {**config, "output-dir": str(out)}, num_supernodes=clients,
-                         timeout=1800)
-    wall = time.perf_counter() - started
-    if not run.ok:
-        sys.exit(f"{out.name}: the run failed ({run.status}):\n{run.output[-2000:]}")
-    results = json.loads((out / "results.json").read_text())
-    return (wall, sum(r["seconds"] for r in results["rounds"]),
-            results["final"]["accuracy_weighted"])
+
+def final_accuracy(out: Path) -> float:
+    return json.loads((out / "results.json").read_text())["final"]["accuracy_weighted"]
 
 
 def main() -> None:
@@ -56,13 +48,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warm_federation() as warm:
         first = cells[0]
-        timed_run(warm, first["run_config"], first["num_clients"], Path(tmp) / "warm-up")
+        timed_run(warm, first["run_config"], first["num_clients"], Path(tmp) / "warm-up",
+                  CELL_TIMEOUT)
         for k, cell in enumerate(cells):
             config, clients = cell["run_config"], cell["num_clients"]
+            cold_out, warm_out = Path(tmp) / f"cold-{k}", Path(tmp) / f"warm-{k}"
             with LocalFederation() as cold:
-                cold_run = timed_run(cold, config, clients, Path(tmp) / f"cold-{k}")
-            warm_run = timed_run(warm, config, clients, Path(tmp) / f"warm-{k}")
-            assert cold_run[2] == warm_run[2], (cold_run, warm_run)  # same seed, same run
+                cold_run = timed_run(cold, config, clients, cold_out, CELL_TIMEOUT)
+            warm_run = timed_run(warm, config, clients, warm_out, CELL_TIMEOUT)
+            # same seed, same run
+            assert final_accuracy(cold_out) == final_accuracy(warm_out), (cold_run, warm_run)
             rows.append((paths[k].relative_to(RESULTS / "matrix" / "cells"), clients,
                          config["num-server-rounds"], cold_run, warm_run))
     lines = ["| cell | clients, rounds | cold: wall / rounds / fixed (s) "

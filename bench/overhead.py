@@ -38,6 +38,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from client_app.runtime import Client  # noqa: E402
 from common.config import app_defaults  # noqa: E402
+from launch.federation import LocalFederation  # noqa: E402
 from launch.ray_head import warm_federation  # noqa: E402
 from strategies.registry import build_model  # noqa: E402
 from strategies.training import LocalTraining, evaluate  # noqa: E402
@@ -93,22 +94,26 @@ def cold_run(config: dict, supernodes: int, out: Path) -> tuple[float, float]:
     return wall, rounds_seconds(out)
 
 
+def timed_run(federation: LocalFederation, config: dict, supernodes: int, out: Path,
+              timeout: float = 900) -> tuple[float, float]:
+    """One run of ``config`` on ``federation`` into ``out``: (wall seconds, seconds of its
+    rounds); a failed run stops the benchmark with its output."""
+    start = time.perf_counter()
+    run = federation.run(ROOT, {**config, "output-dir": str(out)}, num_supernodes=supernodes,
+                         timeout=timeout)
+    wall = time.perf_counter() - start
+    if not run.ok:
+        raise SystemExit(f"{out.name}: the run failed ({run.status}):\n{run.output[-3000:]}")
+    return wall, rounds_seconds(out)
+
+
 def warm_runs(config: dict, supernodes: int, count: int, tmp: Path
               ) -> list[tuple[float, float]]:
     """``count`` runs on one SuperLink and one Ray head, after a first one left out."""
-    timed = []
     with warm_federation() as federation:
-        for index in range(count + 1):
-            out = tmp / f"warm-{index}"
-            start = time.perf_counter()
-            run = federation.run(ROOT, {**config, "output-dir": str(out)},
-                                 num_supernodes=supernodes)
-            wall = time.perf_counter() - start
-            if not run.ok:
-                raise SystemExit(run.output[-3000:])
-            if index:
-                timed.append((wall, rounds_seconds(out)))
-    return timed
+        timed = [timed_run(federation, config, supernodes, tmp / f"warm-{index}")
+                 for index in range(count + 1)]
+    return timed[1:]
 
 
 def main() -> None:
