@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "domain")
+FEATURE_SHIFTS = ("none", "rotate")  # fldata/partition.py: feature_shift
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N"
 TRACKERS = ("tensorboard", "mlflow")  # server_app/tracking.py
@@ -179,6 +180,8 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     classes_per_client: int = key("classes-per-client", low=1)
     domain_groups: int = key("domain-groups", low=1)
     permute_labels: bool = key("permute-labels")
+    feature_shift: str = key("feature-shift", choices=FEATURE_SHIFTS)
+    feature_shift_groups: int = key("feature-shift-groups", low=1, high=4)
     test_fraction: float = key("test-fraction", low=0, high=1, low_open=True)
     num_classes: int = key("num-classes", low=0)
     input_shape: str = key("input-shape")

@@ -18,7 +18,13 @@ import numpy as np
 from common.config import ConfigError, KeyGroup, RunSettings, in_range, key, one_of
 from fldata.cache import cache_key, cached_split, fingerprint
 from fldata.idx import find_idx_dir, search_dirs
-from fldata.partition import label_permutation, partition_indices, train_test_split
+from fldata.partition import (
+    check_feature_shift,
+    feature_shift,
+    label_permutation,
+    partition_indices,
+    train_test_split,
+)
 from fldata.sources import (
     DATA_FILES,
     SyntheticFedFac,
@@ -95,7 +101,8 @@ class SyntheticSettings(KeyGroup):
 
 def check_dataset(settings: RunSettings) -> None:
     """A known dataset, a local path or a hub id; the synthetic keys when they are used; a
-    pathological partition that a named dataset's classes can serve."""
+    pathological partition that a named dataset's classes can serve; square images for a
+    feature shift."""
     if not is_local_path(settings.dataset) and not is_hub_id(settings.dataset):
         one_of("dataset", settings.dataset,
                [*DATASETS, "<a local path>", "<org/name of a Hugging Face dataset>"])
@@ -104,6 +111,8 @@ def check_dataset(settings: RunSettings) -> None:
     if settings.dataset in DATASETS and settings.partitioner == "pathological":
         _, num_classes = dataset_shape(settings)
         in_range("classes-per-client", settings.classes_per_client, 1, num_classes)
+    if settings.feature_shift != "none":
+        check_feature_shift(settings.feature_shift, dataset_shape(settings)[0])
 
 
 def check_local_files(settings: RunSettings) -> None:
@@ -270,7 +279,8 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
     """One client's train/test split.
 
     ``data_dir`` (a SuperNode's ``data-dir`` node config) is a device's own data: it is used
-    whole, with no partitioning. Otherwise the run's dataset is partitioned over
+    whole, with no partitioning and no ``feature-shift`` (a real site's own data is already
+    its own domain). Otherwise the run's dataset is partitioned over
     ``num_partitions`` clients and this client takes partition ``partition_id``. With
     ``cache_dir`` the split is computed once and memory-mapped after (``fldata/cache.py``).
     """
@@ -301,8 +311,12 @@ def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_cl
         x, y = load_local(Path(data_dir), settings.label_column, settings.image_column)
     else:
         x, y = partition_arrays(settings, partition_id, num_partitions)
-    # Split before permuting, so that permute-labels changes the labels and nothing else.
+    # Split before permuting and shifting, so that permute-labels changes the labels and
+    # feature-shift the images, and nothing else: the same examples, in the same order.
     train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
     if settings.permute_labels:
         y = label_permutation(num_classes, settings.seed, partition_id)[y]
+    if not data_dir:
+        x = feature_shift(x, settings.feature_shift, settings.feature_shift_groups,
+                          partition_id)
     return {"x_train": x[train], "y_train": y[train], "x_test": x[test], "y_test": y[test]}

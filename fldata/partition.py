@@ -1,4 +1,5 @@
-"""Partitioning a labelled pool over clients, label permutation and local train/test splits.
+"""Partitioning a labelled pool over clients, label permutation, feature shift and local
+train/test splits.
 
 The partitioners are flwr-datasets' own (``IidPartitioner``, ``DirichletPartitioner``,
 ``PathologicalPartitioner``) plus ``DomainPartitioner`` for the one layout flwr-datasets lacks.
@@ -107,6 +108,26 @@ def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: i
 def label_permutation(num_classes: int, seed: int, partition_id: int) -> np.ndarray:
     """Client ``partition_id``'s own bijection of the label set (``permute-labels``)."""
     return np.random.default_rng([seed, 7919, partition_id]).permutation(num_classes)
+
+
+def check_feature_shift(shift: str, example_shape: tuple[int, ...]) -> None:
+    """``feature-shift = "rotate"`` turns images in their plane: it needs (C, H, W) examples
+    with H == W, else a rotated client's inputs would not fit the model."""
+    if shift != "none" and (len(example_shape) != 3 or example_shape[1] != example_shape[2]):
+        raise ConfigError(f"feature-shift: {shift!r} needs square images (C, H, W with H == W); "
+                          f"this dataset's examples have shape {tuple(example_shape)}")
+
+
+def feature_shift(x: np.ndarray, shift: str, groups: int, partition_id: int) -> np.ndarray:
+    """Client ``partition_id``'s examples ``x`` (N, C, H, W) under ``feature-shift``: with
+    ``"rotate"``, client ``partition_id`` is in group ``partition_id % groups`` and its images
+    are turned by ``group * 90`` degrees (``np.rot90`` over the last two axes: exact, no
+    interpolation), so that groups differ in their inputs and not in their labels."""
+    check_feature_shift(shift, tuple(x.shape[1:]))
+    group = partition_id % groups
+    if shift == "none" or group == 0:
+        return x
+    return np.rot90(x, group, axes=(-2, -1))
 
 
 def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,

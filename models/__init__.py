@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from common.config import ConfigError, one_of
-from models.backbones import Backbone, cnn, mlp, resnet8, resnet9, resnet18
+from models.backbones import Backbone, cnn, lenet5, mlp, resnet8, resnet9, resnet18
 from models.user import FACTORY_FORM, build_user_backbone, is_factory, load_factory
 
 BACKBONES: dict[str, Callable[..., Backbone]] = {
     "mlp": mlp,
     "cnn": cnn,
+    "lenet5": lenet5,
     "resnet8": resnet8,
     "resnet9": resnet9,
     "resnet18": resnet18,

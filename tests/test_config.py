@@ -30,7 +30,7 @@ def test_pyproject_defaults_are_valid_and_hold_every_design_key():
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("method", "fedfoo", "method: unknown value 'fedfoo'; allowed: fedavg, fedprox, local"),
     ("dataset", "imagenet", "dataset: unknown value 'imagenet'; allowed: digits"),
-    ("model", "vgg", "model: unknown value 'vgg'; allowed: mlp, cnn, resnet8"),
+    ("model", "vgg", "model: unknown value 'vgg'; allowed: mlp, cnn, lenet5, resnet8"),
     ("partitioner", "shards", "partitioner: unknown value 'shards'; allowed: iid, dirichlet"),
     ("device", "tpu", "device: unknown value 'tpu'; allowed: auto, cpu, cuda, cuda:N"),
     ("dirichlet-alpha", 0.0, "dirichlet-alpha: 0.0 is out of range"),

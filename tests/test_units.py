@@ -251,3 +251,14 @@ def test_our_sgd_steps_exactly_as_torch_optim_sgd(momentum, weight_decay):
             opt.step()
         for a, b in zip(ours.state_dict().values(), theirs.state_dict().values(), strict=True):
             assert torch.equal(a, b)
+
+
+def test_lenet5_is_lenet_on_28x28_and_runs_from_8x8():
+    model = build_backbone("lenet5", (1, 28, 28), 10)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # LeNet-5's 16 maps of 5x5 after the second pooling, then 120, 84 and the classifier
+    assert [(m.in_features, m.out_features) for m in linears] == [
+        (400, 120), (120, 84), (84, 10)]
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())  # FedBN's part
+    assert build_backbone("lenet5", (1, 8, 8), 10)(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
