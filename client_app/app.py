@@ -28,11 +28,13 @@ from common.protocol import (
     EVAL_CPU,
     EVAL_EXAMPLES,
     EVAL_LOSS,
+    EVAL_TASK_ACCURACY,
     EVALUATE_FIRST,
     IDENTIFY,
     METRICS,
     NUM_EXAMPLES,
     SERVER_ROUND,
+    TASK_ACCURACY,
     error_reason,
 )
 from common.seeds import Stream, derived_seed
@@ -101,8 +103,9 @@ def train(msg: Message, context: Context) -> Message:
     if msg.content[CONFIG].get(EVALUATE_FIRST, False):
         # the personalized evaluation of the last round: what this client starts from
         eval_started = time.process_time()
-        eval_loss, eval_accuracy = client.evaluate(model, server_round - 1)
-        evaluation = {EVAL_ACCURACY: eval_accuracy, EVAL_LOSS: eval_loss,
+        scored = client.evaluate(model, server_round - 1)
+        evaluation = {EVAL_ACCURACY: scored.accuracy, EVAL_LOSS: scored.loss,
+                      EVAL_TASK_ACCURACY: scored.task_accuracy,
                       EVAL_EXAMPLES: len(client.data().y_test),
                       EVAL_CPU: time.process_time() - eval_started}
         started += evaluation[EVAL_CPU]  # cpu-seconds: the training part only
@@ -137,11 +140,12 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
     client.data()  # timed on its own
     phases.lap("data")
     model = client.model(received, int(config[SERVER_ROUND]), config)
-    loss, accuracy = client.evaluate(model, int(config[SERVER_ROUND]))
+    scored = client.evaluate(model, int(config[SERVER_ROUND]))
     phases.lap("evaluate")
     return Message(RecordDict({
-        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_test), "loss": loss,
-                               "accuracy": accuracy, **phases.metrics(),
+        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_test), "loss": scored.loss,
+                               "accuracy": scored.accuracy,
+                               TASK_ACCURACY: scored.task_accuracy, **phases.metrics(),
                                "cpu-seconds": time.process_time() - started}),
         CLIENT: client.identity(),
     }), reply_to=msg)

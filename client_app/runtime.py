@@ -32,7 +32,7 @@ from fldata import ClientData, load_client_data
 from fldata.cache import default_cache_dir
 from strategies.method import Method
 from strategies.registry import REGISTRY, load_settings
-from strategies.training import LocalTraining, evaluate
+from strategies.training import Evaluation, LocalTraining, evaluate_model
 from strategies.wire import WireSpec
 
 PERSONAL = "personal-state"
@@ -164,9 +164,11 @@ class Client:
         return DataLoader(dataset, batch_size=self.settings.batch_size, shuffle=train,
                           generator=generator, pin_memory=self.device.type == "cuda")
 
-    def evaluate(self, model: nn.Module, server_round: int) -> tuple[float, float]:
-        """(loss, accuracy) of the personalized ``model`` of round ``server_round`` on this
-        client's test split. A method with ``fine_tune`` (FedAvg-FT) first trains a copy of it
+    def evaluate(self, model: nn.Module, server_round: int) -> Evaluation:
+        """Loss, accuracy and task accuracy of the personalized ``model`` of round
+        ``server_round`` on this client's test split (``strategies.training.evaluate_model``:
+        the argmax of the model's output is its prediction, pFedC's branch-head class scores
+        included). A method with ``fine_tune`` (FedAvg-FT) first trains a copy of it
         on the train split, seeded by the round (the same in both evaluation protocols);
         ``model`` itself is left as it was."""
         if self.method.fine_tune is not None:
@@ -175,7 +177,7 @@ class Client:
                                            Stream.FINE_TUNE))
             self.method.fine_tune(LocalTraining(model, self.loader(True, server_round),
                                                 self.settings, self.device, server_round))
-        return evaluate(model, self.loader(train=False), self.device)
+        return evaluate_model(model, self.loader(train=False), self.device)
 
     # -------------------------------------------------------------------- model and state
     @property

@@ -38,6 +38,10 @@ CLIENT_ID, PARTITION_ID, NUM_PARTITIONS = "client-id", "partition-id", "num-part
 SERVER_ROUND, ACTION, IDENTIFY = "server-round", "action", "identify"
 TRAIN_METRICS = ("train-loss",)
 EVALUATE_METRICS = ("accuracy", "loss")
+# a client's balanced accuracy on its own test split (the mean over the classes present in it
+# of the share of that class's examples classified right: ``strategies/training.py:
+# accuracy_scores``); optional in a reply like ``cpu-seconds``, range-checked when present
+TASK_ACCURACY = "task-accuracy"
 
 ArraySpec = dict[str, tuple[tuple[int, ...], str]]
 """key -> (shape, dtype) of every array a message carries."""
@@ -62,13 +66,14 @@ starting with a letter or digit (it becomes a file name on the client: ``<id>.pt
 # the evaluation a train reply carries with fused evaluation (``strategies/engine/
 # evaluation.py``)
 EVAL_ACCURACY, EVAL_LOSS, EVAL_EXAMPLES = "eval-accuracy", "eval-loss", "eval-num-examples"
+EVAL_TASK_ACCURACY = "eval-task-accuracy"
 EVAL_CPU = "eval-cpu-seconds"  # CPU time of the evaluation (``cpu-seconds``: the training)
 EVALUATE_FIRST = "evaluate-first"
 
 METRIC_RANGES: dict[str, tuple[float, float]] = {
     "accuracy": (0.0, 1.0), "loss": (0.0, math.inf), "train-loss": (0.0, math.inf),
     "cpu-seconds": (0.0, math.inf), EVAL_ACCURACY: (0.0, 1.0), EVAL_LOSS: (0.0, math.inf),
-    EVAL_CPU: (0.0, math.inf)}
+    EVAL_CPU: (0.0, math.inf), TASK_ACCURACY: (0.0, 1.0), EVAL_TASK_ACCURACY: (0.0, 1.0)}
 """Allowed ranges of the metrics the server reads; any other metric must be a finite number."""
 
 

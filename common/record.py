@@ -7,6 +7,7 @@ The strategy fills a ``RoundRecord`` per round; ``RoundRecord.entry`` is the rou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,12 +61,17 @@ class RoundRecord:
         return entry
 
 
-def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, Any]:
+def personalized_stats(per_client: dict[str, tuple[float, int]],
+                       task_accuracy: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Contracts §3: weighted/mean/std/min accuracy over clients, plus the per-client map
-    (``per_client``: client id -> (accuracy, test examples))."""
+    (``per_client``: client id -> (accuracy, test examples)); and ``accuracy_task_mean``, the
+    unweighted mean over clients of their task accuracy (``task_accuracy``: client id -> its
+    balanced accuracy on its test split) when any of them reported one. A client of
+    ``per_client`` that did not report one is left out of that mean, and then
+    ``accuracy_task_num_clients`` says how many are in it."""
     accuracy = np.array([a for a, _ in per_client.values()])
     examples = np.array([n for _, n in per_client.values()], dtype=float)
-    return {
+    stats: dict[str, Any] = {
         "accuracy_weighted": float((accuracy * examples).sum() / examples.sum()),
         "accuracy_mean": float(accuracy.mean()),
         "accuracy_std": float(accuracy.std()),
@@ -74,3 +80,11 @@ def personalized_stats(per_client: dict[str, tuple[float, int]]) -> dict[str, An
         "per_client": {cid: a for cid, (a, _) in sorted(per_client.items(),
                                                         key=lambda kv: client_order(kv[0]))},
     }
+    task = [float(t) for cid, t in sorted((task_accuracy or {}).items(),
+                                          key=lambda kv: client_order(kv[0]))
+            if cid in per_client]
+    if task:
+        stats["accuracy_task_mean"] = float(np.mean(task))
+        if len(task) < len(per_client):
+            stats["accuracy_task_num_clients"] = len(task)
+    return stats

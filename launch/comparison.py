@@ -3,7 +3,8 @@ command (``launch/compare.py``) and the evidence matrix (``bench/evidence``).
 
 - A run is summarized from its results.json (``summarize_run``): its accuracy curve
   (personalized accuracy weighted by test examples, per evaluated round), the lowest
-  client's curve, uplink and time.
+  client's curve, the mean task accuracy's curve (pFedC's figure, where recorded), uplink
+  and time.
 - A run's figure is the mean of its last ``LAST_ROUNDS`` evaluated rounds (never the best
   round: choosing a round on test data flatters every method, the noisy ones most); its
   slope, in accuracy per round over the last ``SLOPE_ROUNDS`` rounds (least squares), says
@@ -37,10 +38,12 @@ def config_tag(config: Mapping[str, Any]) -> str:
 
 def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:
     """What a comparison keeps of one run's results.json: final numbers and per-round series
-    (accuracies as fractions, bytes in MB)."""
+    (accuracies as fractions, bytes in MB); and the mean task accuracy (``accuracy_task_mean``,
+    final, and ``accuracy_task_per_round``) when every evaluated round has it (results.json
+    written before it was recorded has none)."""
     evaluated = [r for r in results["rounds"] if "eval" in r]
     final = results["final"]
-    return {
+    summary = {
         "accuracy_weighted": final["accuracy_weighted"],
         "accuracy_mean": final["accuracy_mean"],
         "accuracy_min": final["accuracy_min"],
@@ -51,6 +54,11 @@ def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:
         "accuracy_min_per_round": [r["eval"]["accuracy_min"] for r in evaluated],
         "mb_up_per_round": [r["bytes_up"] / MB for r in results["rounds"]],
     }
+    if evaluated and all("accuracy_task_mean" in r["eval"] for r in evaluated):
+        summary["accuracy_task_per_round"] = [r["eval"]["accuracy_task_mean"] for r in evaluated]
+        summary["accuracy_task_mean"] = final.get("accuracy_task_mean",
+                                                  summary["accuracy_task_per_round"][-1])
+    return summary
 
 
 def last_rounds_mean(curve: Sequence[float], rounds: int = LAST_ROUNDS) -> float:

@@ -86,6 +86,7 @@ class ResultsRecorder:
             "accuracy_mean": last.get("accuracy_mean"),
             "accuracy_std": last.get("accuracy_std"),
             "accuracy_min": last.get("accuracy_min"),
+            "accuracy_task_mean": last.get("accuracy_task_mean"),
             "bytes_up_total": sum(r.get("bytes_up", 0) for r in self.rounds),
             "bytes_down_total": sum(r.get("bytes_down", 0) for r in self.rounds),
             "seconds_total": sum(r["seconds"] for r in self.rounds),
@@ -138,10 +139,11 @@ class ResultsRecorder:
             plot_results(self.payload(), self.out_dir / "results.png")
         self.tracking.close(self.payload())
         final = self.final()
-        log(INFO, "[final] %s: accuracy weighted %s mean %s std %s min %s | "
+        log(INFO, "[final] %s: accuracy weighted %s mean %s std %s min %s, task mean %s | "
             "%.2f MB up, %.2f MB down | %.1f s", self.settings.method,
             _fmt(final["accuracy_weighted"]), _fmt(final["accuracy_mean"]),
             _fmt(final["accuracy_std"]), _fmt(final["accuracy_min"]),
+            _fmt(final["accuracy_task_mean"]),
             final["bytes_up_total"] / MB, final["bytes_down_total"] / MB,
             final["seconds_total"])
         per_client = next((r["eval"]["per_client"] for r in reversed(self.rounds)

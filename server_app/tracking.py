@@ -3,10 +3,11 @@ per-client accuracies, to TensorBoard and to MLflow, written under the run's out
 
 What is logged, at the step of the round it belongs to (``docs/tracking.md``):
 ``accuracy/weighted``, ``accuracy/mean``, ``accuracy/std``, ``accuracy/min``,
-``loss/train``, ``bytes/up``, ``bytes/down`` and ``time/round_seconds``; the distribution of
-the clients' accuracies (a TensorBoard histogram ``accuracy/per_client``, an MLflow artifact
-``per_client/round-NNNN.json``); the run config (TensorBoard text ``config``, MLflow params)
-once; and, for MLflow, results.json as an artifact and the run's status when it ends.
+``accuracy/task_mean``, ``loss/train``, ``bytes/up``, ``bytes/down`` and
+``time/round_seconds``; the distribution of the clients' accuracies (a TensorBoard
+histogram ``accuracy/per_client``, an MLflow artifact ``per_client/round-NNNN.json``); the
+run config (TensorBoard text ``config``, MLflow params) once; and, for MLflow, results.json
+as an artifact and the run's status when it ends.
 
 TensorBoard writes event files to ``<output-dir>/tensorboard``. MLflow writes to an SQLite
 store, ``<output-dir>/mlflow.db`` (no server; MLflow 3 refuses its old file store unless told
@@ -51,7 +52,8 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
     """The scalars of one round of results.json, by tracking name."""
     evaluated = entry.get("eval", {})
     metrics = {f"accuracy/{stat}": evaluated[f"accuracy_{stat}"]
-               for stat in ("weighted", "mean", "std", "min") if f"accuracy_{stat}" in evaluated}
+               for stat in ("weighted", "mean", "std", "min", "task_mean")
+               if f"accuracy_{stat}" in evaluated}
     if "loss" in entry.get("train", {}):
         metrics["loss/train"] = entry["train"]["loss"]
     metrics |= {"bytes/up": entry["bytes_up"], "bytes/down": entry["bytes_down"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Generic
+from typing import Generic, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -115,16 +115,54 @@ def train_everything(job: LocalTraining) -> float:
     return train_epochs(job, job.model.parameters(), job.settings.local_epochs)
 
 
+class Evaluation(NamedTuple):
+    """A model scored on a client's test split."""
+
+    loss: float  # mean cross-entropy
+    accuracy: float  # share of the examples classified right
+    task_accuracy: float  # balanced accuracy: mean over the classes present (``accuracy_scores``)
+
+
+def accuracy_scores(predictions: Tensor, labels: Tensor) -> tuple[float, float]:
+    """(accuracy, task accuracy) of ``predictions`` (predicted class per example) against
+    ``labels``: the share of examples predicted right, and the mean over the classes present
+    in ``labels`` of the share of that class's examples predicted right (balanced accuracy;
+    pFedC's mean accuracy over tasks, a task being a class). Every client-side evaluation
+    computes both here, from the predictions its accuracy is of. (0.0, 0.0) for no example."""
+    predictions, labels = predictions.reshape(-1).cpu(), labels.reshape(-1).cpu()
+    if predictions.shape != labels.shape:
+        raise ValueError(f"{len(predictions)} predictions for {len(labels)} labels")
+    if len(labels) == 0:
+        return 0.0, 0.0
+    correct = predictions == labels
+    _, class_index = labels.unique(return_inverse=True)
+    right_per_class = torch.bincount(class_index, weights=correct.double())
+    per_class = right_per_class / torch.bincount(class_index).double()
+    return int(correct.sum()) / len(labels), float(per_class.mean())
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """(mean loss, accuracy) of ``model`` on ``loader``."""
+def evaluate_model(model: nn.Module, loader: DataLoader, device: torch.device) -> Evaluation:
+    """``model`` scored on ``loader``: mean loss, accuracy and task accuracy of its argmax
+    predictions (``accuracy_scores``)."""
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
-    loss, correct, count = 0.0, 0, 0
+    loss, predictions, labels = 0.0, [], []
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         logits = model(x)
         loss += criterion(logits, y).item()
-        correct += (logits.argmax(1) == y).sum().item()
-        count += len(y)
-    return loss / max(count, 1), correct / max(count, 1)
+        predictions.append(logits.argmax(1).cpu())
+        labels.append(y.cpu())
+    if not labels:
+        return Evaluation(0.0, 0.0, 0.0)
+    labels_all = torch.cat(labels)
+    accuracy, task_accuracy = accuracy_scores(torch.cat(predictions), labels_all)
+    return Evaluation(loss / len(labels_all), accuracy, task_accuracy)
+
+
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """(mean loss, accuracy) of ``model`` on ``loader`` (``evaluate_model`` without the task
+    accuracy)."""
+    scored = evaluate_model(model, loader, device)
+    return scored.loss, scored.accuracy

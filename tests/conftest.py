@@ -141,6 +141,9 @@ def check_results_schema(results: dict[str, Any], method: str, num_rounds: int,
         for key in ("accuracy_weighted", "accuracy_mean", "accuracy_min"):
             assert 0.0 <= evaluation[key] <= 1.0
         assert evaluation["accuracy_min"] == min(evaluation["per_client"].values())
+        # every client sent its task accuracy (docs/results.md#task-accuracy)
+        assert 0.0 <= evaluation["accuracy_task_mean"] <= 1.0
+        assert "accuracy_task_num_clients" not in evaluation
         # every client's handler and the server's strategy work took some CPU time
         assert set(entry["cpu_seconds"]) == {"clients_train", "clients_evaluate", "server"}
         assert all(v > 0 for v in entry["cpu_seconds"].values())
@@ -149,6 +152,7 @@ def check_results_schema(results: dict[str, Any], method: str, num_rounds: int,
                 "bytes_down_total", "seconds_total"):
         assert key in final
     assert final["accuracy_weighted"] == results["rounds"][-1]["eval"]["accuracy_weighted"]
+    assert final["accuracy_task_mean"] == results["rounds"][-1]["eval"]["accuracy_task_mean"]
     assert final["bytes_up_total"] == sum(r["bytes_up"] for r in results["rounds"])
 
 

@@ -18,6 +18,7 @@ def test_fused_evaluation_equals_two_exchanges(shared_runs, method):
     assert [r["round"] for r in one] == list(range(1, rounds + 1))
     for separate, fused in zip(two, one, strict=True):
         assert fused["eval"]["per_client"] == separate["eval"]["per_client"]
+        assert fused["eval"]["accuracy_task_mean"] == separate["eval"]["accuracy_task_mean"]
         assert fused["eval"]["num_clients"] == REFERENCE_CLIENTS
         assert fused["train"] == separate["train"]
         assert fused["bytes_up"] == separate["bytes_up"]

@@ -126,7 +126,9 @@ def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
 
 
 @pytest.mark.parametrize(("metric", "value"), [("accuracy", [0.5, 0.5]), ("loss", [1.0]),
-                                               ("accuracy", 1.5), ("loss", -1.0)])
+                                               ("accuracy", 1.5), ("loss", -1.0),
+                                               ("task-accuracy", 1.5),
+                                               ("task-accuracy", [0.5])])
 def test_a_malformed_evaluate_reply_is_dropped(metric, value):
     strategy, _ = _strategy()
     client = make_client(0, app_config())

@@ -34,8 +34,10 @@ from common.protocol import (
     EVAL_ACCURACY,
     EVAL_CPU,
     EVAL_EXAMPLES,
+    EVAL_TASK_ACCURACY,
     EVALUATE_METRICS,
     NUM_EXAMPLES,
+    TASK_ACCURACY,
     ClientReply,
     ReplyError,
     client_order,
@@ -52,21 +54,31 @@ Drawn = dict[int, str | None]
 
 def fused_evaluation(reply: ClientReply) -> ClientReply:
     """The evaluation a valid train reply carries, as an evaluate reply of the same client
-    (``num-examples``: its test examples, ``accuracy``, and ``eval-cpu-seconds``). Raises
-    ``ReplyError`` if the ``eval-*`` metrics are missing or malformed (their ranges are
-    checked with every metric, ``common.protocol.METRIC_RANGES``)."""
+    (``num-examples``: its test examples, ``accuracy``, ``task-accuracy`` when it carries
+    ``eval-task-accuracy``, and ``eval-cpu-seconds``). Raises ``ReplyError`` if the
+    ``eval-*`` metrics are missing or malformed (their ranges are checked with every metric,
+    ``common.protocol.METRIC_RANGES``)."""
     accuracy = reply.metrics.get(EVAL_ACCURACY)
     examples = reply.metrics.get(EVAL_EXAMPLES)
     if not isinstance(accuracy, float) or not isinstance(examples, int) or examples <= 0:
         raise ReplyError(f"train reply lacks a valid {EVAL_ACCURACY}/{EVAL_EXAMPLES}")
+    task = ({TASK_ACCURACY: float(reply.metrics[EVAL_TASK_ACCURACY])}
+            if EVAL_TASK_ACCURACY in reply.metrics else {})
     return ClientReply(reply.node_id, reply.client_id, ArrayRecord(), MetricRecord(
-        {NUM_EXAMPLES: examples, "accuracy": accuracy,
+        {NUM_EXAMPLES: examples, "accuracy": accuracy, **task,
          EVAL_CPU: float(reply.metrics.get(EVAL_CPU, 0.0))}), reply.info)
 
 
 def scores_of(replies: list[ClientReply]) -> dict[str, tuple[float, int]]:
     """client id -> (accuracy, test examples) of valid evaluate replies."""
     return {r.client_id: (float(r.metrics["accuracy"]), r.num_examples) for r in replies}
+
+
+def task_accuracies_of(replies: list[ClientReply]) -> dict[str, float]:
+    """client id -> task accuracy of the valid evaluate replies that carry one (an optional
+    metric, range-checked with every metric when the reply was validated)."""
+    return {r.client_id: float(r.metrics[TASK_ACCURACY]) for r in replies
+            if TASK_ACCURACY in r.metrics}
 
 
 class PendingEvaluation:
@@ -121,23 +133,29 @@ class PendingEvaluation:
         self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
         scores = scores_of(valid + fused)
         self.record(server_round, dict(sorted(scores.items(),
-                                              key=lambda kv: client_order(kv[0]))))
+                                              key=lambda kv: client_order(kv[0]))),
+                    task_accuracies_of(valid + fused))
 
-    def record(self, server_round: int, scores: dict[str, tuple[float, int]]) -> None:
+    def record(self, server_round: int, scores: dict[str, tuple[float, int]],
+               task_accuracy: dict[str, float] | None = None) -> None:
         """Round ``server_round``'s personalized statistics from ``scores`` (client id ->
-        (accuracy, test examples)); rejoined clients' first scores go to ``rejoined``."""
+        (accuracy, test examples)) and ``task_accuracy`` (client id -> task accuracy, of the
+        clients that sent one: ``accuracy_task_mean``); rejoined clients' first scores go to
+        ``rejoined``."""
         rejoined = {c: a for c, (a, _) in scores.items() if c in self.rejoined_at_evaluate}
         if rejoined:
             self.record_rejoined(server_round, rejoined)
             self.rejoined_at_evaluate.difference_update(rejoined)
         if not scores:
             return
-        stats = personalized_stats(scores)
+        stats = personalized_stats(scores, task_accuracy)
         self.ledger.record(server_round).eval = stats
         self.per_client_accuracy.update(stats["per_client"])
-        log(INFO, "round %d: personalized accuracy weighted %.4f mean %.4f min %.4f "
-            "(%d clients)", server_round, stats["accuracy_weighted"], stats["accuracy_mean"],
-            stats["accuracy_min"], stats["num_clients"])
+        log(INFO, "round %d: personalized accuracy weighted %.4f mean %.4f min %.4f, task "
+            "mean %s (%d clients)", server_round, stats["accuracy_weighted"],
+            stats["accuracy_mean"], stats["accuracy_min"],
+            f"{stats['accuracy_task_mean']:.4f}" if "accuracy_task_mean" in stats else "-",
+            stats["num_clients"])
 
     def record_rejoined(self, server_round: int, scores: dict[str, float]) -> None:
         """The first accuracy of clients that came back on a new node (``rejoined``)."""

@@ -41,7 +41,12 @@ from common.protocol import (
 )
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.admission import Admission
-from strategies.engine.evaluation import Drawn, PendingEvaluation, scores_of
+from strategies.engine.evaluation import (
+    Drawn,
+    PendingEvaluation,
+    scores_of,
+    task_accuracies_of,
+)
 from strategies.engine.exchange import Messenger
 from strategies.engine.identity import NodeDirectory
 from strategies.engine.replies import ReplyCheck, stop_if_every_reply_failed
@@ -170,7 +175,7 @@ class Strategy(Generic[MethodSettingsT]):
             stop_if_every_reply_failed(f"evaluation of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
             self.ledger.client_cpu(server_round, "evaluate", valid)
-            self.evaluation.record(server_round, scores_of(valid))
+            self.evaluation.record(server_round, scores_of(valid), task_accuracies_of(valid))
 
     # ------------------------------------------------------------------ stages
     def forget_expired(self, server_round: int) -> None:
