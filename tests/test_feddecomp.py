@@ -171,8 +171,42 @@ def test_server_mean_is_uniform_over_clients_by_default(weighting, expected):
         assert merged[key].numpy().dtype == np.float32
 
 
+def test_defaults_are_the_authors_ranks_and_leave_sigma_epochs():
+    """Ranks pinned to the authors' own CIFAR-10 command (README of ``XinghaoWu/FedDecomp``:
+    ``--Conv_r=0.6 --Linear_r=4``; their code's conv rank is a ratio, their Linear rank 4 is
+    0.4 of ``min(256, 10)`` in their ResNet-8 classifier). ``feddecomp.lora-epochs``: the paper
+    and the code train ``tau`` 2 of 5 local epochs (``--local_p_ep 2``, ``--local_ep 5``); with
+    this project's ``local-epochs = 2`` a default of 2 would never train ``sigma`` (nothing
+    shared would move), so the default is 1 of 2 and the paper's split is
+    ``local-epochs=5 feddecomp.lora-epochs=2``."""
+    settings = load_settings(app_config(method="feddecomp"))
+    options = settings.method_settings
+    assert (options.rank_conv, options.rank_linear) == (0.6, 0.4)
+    assert options.lora_epochs == 1 < settings.local_epochs == 2
+    paper = load_settings(app_config(**{"method": "feddecomp", "local-epochs": 5,
+                                        "feddecomp.lora-epochs": 2}))
+    assert paper.local_epochs - paper.method_settings.lora_epochs == 3
+    head = build_model(settings).head
+    assert isinstance(head, DecomposedLinear) and head.rank == 4  # 0.4 * min(128, 10)
+
+
+def test_lora_epochs_equal_to_local_epochs_trains_only_tau(tmp_path):
+    """Documented behaviour (docs/methods/feddecomp.md): every epoch trains ``tau`` on top of
+    the shared ``sigma``, so the client sends back exactly what it received."""
+    client = _client(tmp_path, **{"local-epochs": 2, "feddecomp.lora-epochs": 2})
+    received = initial_state(client.settings).arrays
+    model = _train(client, received)
+    sent = client.shared_arrays(model, received)
+    assert any(model.state_dict()[k].any() for k in model.state_dict() if k.endswith("lora_B"))
+    for key in received:
+        if "running_" in key or "num_batches" in key:
+            continue  # BatchNorm statistics follow the data in every phase
+        np.testing.assert_array_equal(sent[key].numpy(), received[key].numpy(), err_msg=key)
+
+
 def test_config_checks():
-    with pytest.raises(ConfigError, match=r"feddecomp\.lora-epochs"):
+    with pytest.raises(ConfigError, match=r"feddecomp\.lora-epochs: 3 is out of range; "
+                                          r"allowed: \[0, local-epochs=2\]"):
         load_settings(app_config(**{"method": "feddecomp", "local-epochs": 2,
                                                   "feddecomp.lora-epochs": 3}))
     with pytest.raises(ConfigError, match=r"feddecomp\.rank-conv"):

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from torch import nn
 
 from client_app.runtime import Client
 from common.config import ConfigError
 from common.protocol import ARRAYS, METRICS, ClientReply
-from models.fedfac import analysed_layers, element_keys
+from models import build_backbone
+from models.fedfac import analysed_layers, element_keys, forward_layers, weighted_layers
 from strategies.engine import Strategy
 from strategies.fedfac import client as fedfac_client
 from strategies.fedfac.server import (
@@ -197,10 +199,14 @@ def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates(
     assert set(np.flatnonzero(split)) == set(range(6))
 
 
+DIGITS = (1, 8, 8)
+
+
 def test_layer_selection_and_element_keys():
     model = build_model(load_settings(app_config(method="fedfac")))
-    assert analysed_layers(model, "0") == ["body.0"]
-    assert analysed_layers(model, "body.4, -1") == ["body.4", "head"]
+    assert analysed_layers(model, "0", DIGITS) == ["body.0"]
+    assert analysed_layers(model, "body.4, -2", DIGITS) == ["body.4", "body.9"]
+    assert analysed_layers(model, "-4, 1, 2", DIGITS) == ["body.0", "body.4", "body.9"]
     assert element_keys(model, "body.0") == ["body.0.weight", "body.1.weight", "body.1.bias",
                                              "body.1.running_mean", "body.1.running_var"]
     assert element_keys(model, "body.9") == ["body.9.weight", "body.9.bias"]
@@ -208,10 +214,63 @@ def test_layer_selection_and_element_keys():
         load_settings(app_config(**{"method": "fedfac", "fedfac.layers": "9"}))
 
 
+def test_defaults_are_the_papers_deepest_hidden_layer_and_90_percent_quantile():
+    """Pinned to the paper: ``fedfac.layers = "-2"``, the hidden layer that feeds the
+    classifier (the paper splits the deepest hidden layers, section 5.3; the authors' scripts
+    analyse ResNet-18's last conv, ``--partial_cnn_layer 20``, VGG16's last hidden Linear,
+    ``15``, and the Shakespeare model's hidden Linear, ``4``, never the classifier).
+    ``fedfac.tau-quantile = 0.9``: the paper's optimum under strong heterogeneity is the
+    90-95% quantile (Table 5, as the review reports it); the authors' FEMNIST script passes
+    ``--threshold_p --threshold 90``, and their strongest-skew CIFAR scripts make the whole
+    layer personal."""
+    settings = load_settings(app_config(method="fedfac"))
+    assert settings.method_settings.layers == "-2"
+    assert settings.method_settings.tau_quantile == 0.9
+    assert wire_spec(settings).layers == ["body.9"]  # digits CNN: the 128-unit hidden Linear
+
+
+@pytest.mark.parametrize(("model", "shape", "penultimate"), [
+    ("mlp", (64,), "body.1"),
+    ("cnn", DIGITS, "body.9"),
+    ("lenet5", (1, 28, 28), "body.11"),
+    ("resnet8", (3, 32, 32), "body.5.conv2"),     # not the last block's shortcut (side branch)
+    ("resnet9", (3, 32, 32), "body.16.block.3"),
+    ("resnet18", (3, 32, 32), "body.10.conv2"),
+    ("user_models:classifier_first", DIGITS, "body.hidden"),  # registered before its input
+    ("user_models:resnet18", DIGITS, "body.layer4.1.conv2"),
+])
+def test_minus_two_is_the_layer_before_the_classifier_on_every_backbone(model, shape,
+                                                                       penultimate):
+    """Indices count layers in forward order, whatever the registration order; a layer that
+    reads the tensor an earlier layer read (a projection shortcut) has no index but a name;
+    the classifier is ``-1`` and is refused."""
+    torch.manual_seed(0)
+    backbone = build_backbone(model, shape, 10)
+    order = forward_layers(backbone, shape)
+    assert order[-1] == "head" and order[-2] == penultimate
+    assert analysed_layers(backbone, "-2", shape) == [penultimate]
+    assert analysed_layers(backbone, "0", shape) == [order[0]]
+    assert isinstance(backbone.get_submodule(penultimate), nn.Linear | nn.Conv2d)
+    for classifier in ("-1", "head", str(len(order) - 1)):
+        with pytest.raises(ConfigError, match=r"fedfac\.layers: .* is the classifier 'head'"):
+            analysed_layers(backbone, classifier, shape)
+    shortcuts = [n for n in weighted_layers(backbone) if "shortcut" in n or "downsample" in n]
+    assert not set(shortcuts) & set(order)
+    if shortcuts:  # chosen by name
+        assert analysed_layers(backbone, shortcuts[-1], shape) == [shortcuts[-1]]
+
+
+def test_the_classifier_is_refused_at_start_with_one_line():
+    with pytest.raises(ConfigError, match=r"^fedfac\.layers: '-1' is the classifier") as error:
+        load_settings(app_config(**{"method": "fedfac", "fedfac.layers": "-1"}))
+    assert "\n" not in str(error.value)
+
+
 def _client(pid: int, **overrides) -> Client:
     return Client.from_context(Context(
         run_id=1, node_id=pid, node_config={"partition-id": pid, "num-partitions": 4},
-        state=RecordDict(), run_config=app_config(**{"method": "fedfac", **overrides})))
+        state=RecordDict(), run_config=app_config(**{
+            "method": "fedfac", "fedfac.layers": "0", **overrides})))  # the tests: body.0
 
 
 def _reply(client: Client, received: ArrayRecord) -> ClientReply:

@@ -13,4 +13,5 @@ from strategies.method import Method
 
 METHOD = Method("factorized-fl", wire=FactorsShared, strategy=FactorizedFLStrategy,
                 local_train=train_factorized_fl, settings=FactorizedFLSettings,
-                transform=lambda model, settings: factorize(model))
+                transform=lambda model, settings: factorize(
+                    model, settings.method_settings.mu_init))

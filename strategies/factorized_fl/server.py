@@ -4,8 +4,11 @@ Per round, from one snapshot (this round's replies merged into each client's lat
 so absent clients still count and reply order does not matter): ``sigma_ik`` = cosine
 similarity of the matching vectors of every pair of known clients; client ``k``'s weights are
 ``softmax(epsilon * sigma_ik)`` over the clients with ``sigma_ik >= tau`` (itself always
-included, with ``sigma_kk = 1``, i.e. weight ``exp(epsilon)`` before normalising); client ``k``
-receives its own weighted average of every shared array. A client never seen gets the plain
+included, with ``sigma_kk = 1``, i.e. weight ``exp(epsilon)`` before normalising), and, when
+fewer than ``factorized-fl.min-aggregated = n`` pass ``tau``, over its ``n`` most similar
+clients instead (itself and its ``n - 1`` nearest; the authors' ``minimum_aggr``, e.g. 4 in
+their multi-domain setting; ``n = 1``: only itself is guaranteed); client ``k`` receives its
+own weighted average of every shared array. A client never seen gets the plain
 example-weighted average of the round's replies. The similarity and weight matrices of each
 round are in ``results.json`` (``rounds[].similarity``: client ids and matrices; above
 ``MATRIX_IN_RESULTS`` clients a summary: mean off-diagonal similarity and mean number of
@@ -30,15 +33,21 @@ def cosine_similarity(vectors: np.ndarray) -> np.ndarray:
     return unit @ unit.T
 
 
-def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float
-                     ) -> tuple[list[str], np.ndarray, np.ndarray]:
+def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float,
+                     min_aggregated: int = 1) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(client ids, similarity matrix, weight matrix): row ``k`` holds client ``k``'s
-    aggregation weights over all clients (zero where ``sigma_ik < tau``)."""
+    aggregation weights over all clients: ``softmax(epsilon * sigma_ki)`` over the clients
+    with ``sigma_ki >= tau``, itself and its ``min_aggregated - 1`` most similar others (ties:
+    the earlier client id), zero elsewhere."""
     clients = sorted(vectors, key=client_order)
     similarity = cosine_similarity(np.stack([vectors[c].ravel() for c in clients]))
     np.fill_diagonal(similarity, 1.0)
     allowed = similarity >= tau
     np.fill_diagonal(allowed, True)
+    if min_aggregated > 1:  # the top-n of each row, itself first
+        ranked = np.where(np.eye(len(clients), dtype=bool), np.inf, similarity)
+        nearest = np.argsort(-ranked, axis=1, kind="stable")[:, :min_aggregated]
+        np.put_along_axis(allowed, nearest, True, axis=1)
     logits = np.where(allowed, epsilon * similarity, -np.inf)
     logits -= logits.max(axis=1, keepdims=True)
     weights = np.exp(logits)
@@ -67,6 +76,7 @@ class FactorizedFLStrategy(Strategy[FactorizedFLSettings]):
         self.match_key = wire.match_key
         self.tau = settings.method_settings.tau
         self.epsilon = settings.method_settings.epsilon
+        self.min_aggregated = settings.method_settings.min_aggregated
         self.latest: dict[str, dict[str, np.ndarray]] = {}
         self._snapshot: tuple[dict[str, int], np.ndarray] | None = None  # rows, weights
         self._stacked: dict[str, np.ndarray] = {}  # key -> (clients, size), this snapshot
@@ -92,7 +102,8 @@ class FactorizedFLStrategy(Strategy[FactorizedFLSettings]):
         """Similarities and weights of the current snapshot; forgets the downlinks built from
         the previous one."""
         clients, similarity, weights = matching_weights(
-            {c: u[self.match_key] for c, u in self.latest.items()}, self.tau, self.epsilon)
+            {c: u[self.match_key] for c, u in self.latest.items()}, self.tau, self.epsilon,
+            self.min_aggregated)
         self._snapshot = ({c: i for i, c in enumerate(clients)}, weights)
         self._stacked, self._personal = {}, {}
         return clients, similarity, weights

@@ -24,7 +24,7 @@ from torch import nn
 from common.config import KeyGroup, RunSettings, key
 from common.protocol import ArraySpec
 from fldata import dataset_shape
-from models.factorized_fl import factorized_layers, matching_key
+from models.factorized_fl import MU_INITS, factorized_layers, matching_key
 from strategies.wire import Masks, WireSpec, state_keys, tensor_spec
 
 
@@ -34,6 +34,8 @@ class FactorizedFLSettings(KeyGroup):
     epsilon: float = key("factorized-fl.epsilon", low=0)
     l1: float = key("factorized-fl.l1", low=0)
     variant: str = key("factorized-fl.variant", choices=("u", "u-paper", "uvm"))
+    mu_init: str = key("factorized-fl.mu-init", choices=MU_INITS)
+    min_aggregated: int = key("factorized-fl.min-aggregated", low=1)
 
 
 class FactorsShared(WireSpec[FactorizedFLSettings]):

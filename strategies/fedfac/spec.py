@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from common.config import ConfigError, KeyGroup, RunSettings, key
 from common.protocol import ArraySpec
+from fldata import dataset_shape
 from models.fedfac import analysed_layers, element_keys
 from strategies.wire import Masks, WireSpec
 
@@ -46,12 +47,13 @@ def check(settings: RunSettings[FedFacSettings], model: nn.Module) -> None:
     if settings.method_settings.split == "true" and settings.dataset != "synthetic-fedfac":
         raise ConfigError("fedfac.split: 'true' needs dataset synthetic-fedfac; allowed "
                           "elsewhere: estimate, random")
-    analysed_layers(model, settings.method_settings.layers)
+    analysed_layers(model, settings.method_settings.layers, dataset_shape(settings)[0])
 
 
 class SharedRows(WireSpec[FedFacSettings]):
     def __init__(self, model: nn.Module, settings: RunSettings[FedFacSettings]) -> None:
-        self.layers = analysed_layers(model, settings.method_settings.layers)
+        self.layers = analysed_layers(model, settings.method_settings.layers,
+                                      dataset_shape(settings)[0])
         self.layer_of_key = {k: layer for layer in self.layers
                              for k in element_keys(model, layer)}
         self.static = settings.method_settings.mode == "static"
