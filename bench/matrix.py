@@ -1,5 +1,5 @@
 """The evidence matrix: every method on Fashion-MNIST scenarios, tuned on one seed, reported
-on three others, with one report (``bench/results/report.md``) and its plots.
+on five others, with one report (``bench/results/report.md``) and its plots.
 
     python bench/matrix.py                        # the whole matrix: tune, then report; resumes
     python bench/matrix.py --stage report --scenarios dirichlet-0.1 --only fedavg,feddecomp
@@ -10,19 +10,21 @@ Every run is one cell (its summary and per-round series), stored as
 ``bench/results/matrix/cells/<scenario>/<label>/<stage>-<config>-seed<k>.json``; a cell
 that exists is not run again, so the command resumes where it stopped, and the report is
 always written from all cells present (plots in ``bench/results/matrix/``). The protocol
-(README "Benchmarks"):
+(``bench/evidence/protocol.py``, bench/README.md "The evidence matrix"):
 
 - data: ``POOL_SIZE`` images drawn (``numpy`` seed 0) from Fashion-MNIST's 60,000 training
-  images in the real IDX files (``bench.data.ensure_dataset``), 20 clients, each keeping
-  ``test-fraction`` of its share as its personal test split; same model (the CNN), rounds,
-  local epochs, batch size and evaluation for every method (``COMMON``);
-- tuning: on seed ``TUNING_SEED`` each method runs every configuration of its grid
-  (``tuning_grid``: the learning rate and at most one main hyperparameter, four runs each);
-  the configuration with the best final-round personalized accuracy (weighted) is kept;
-- report: the kept configuration on seeds ``REPORT_SEEDS``; the table gives the mean and
-  standard deviation over seeds of the final round's accuracy (never the best round), the
-  lowest client's accuracy, total uplink MB and seconds. A method not tuned yet runs its
-  defaults and is marked so;
+  images in the real IDX files (``bench.data.ensure_dataset``), each scenario's clients
+  (``SCENARIOS``) keeping ``test-fraction`` of their share as their personal test split; the
+  same model (LeNet-5), rounds, local epochs, batch size and evaluation for every method
+  (``COMMON``);
+- search, on seed ``TUNING_SEED``, the same for every row: its defaults at every learning
+  rate of ``LR_GRID``, then at the best one the method's own settings (``SETTINGS``, at most
+  ``MAX_SETTINGS``); the configuration with the best mean of its last 5 rounds is kept;
+- report: the kept configuration on seeds ``REPORT_SEEDS``; mean and standard deviation over
+  seeds of each run's last-5-round accuracy (never the best round), its slope, the lowest
+  client, the task accuracy, uplink and seconds; each claim judged on the per-seed paired
+  difference (``bench/evidence/claims.py``); ``bench/results/matrix/summary.json`` beside the
+  report. A row whose search is incomplete reports its defaults and is marked so;
 - ablations (``ABLATIONS``, run after the rows): a row's tuned configuration with one
   change, on the same report seeds: where a claim did not hold, to show why, and FedFac's
   random split of the same size, the reference its split claim is judged against.
@@ -51,6 +53,9 @@ def main() -> None:
                         help="comma-separated labels, methods or scenario/label")
     parser.add_argument("--stage", choices=("all", "tune", "report"), default="all",
                         help="report alone runs untuned rows on their defaults")
+    parser.add_argument("--device", default="auto",
+                        help="the app's device key for every run (cuda on a GPU machine); "
+                        "cells are kept per device")
     parser.add_argument("--write-only", action="store_true", help="no runs, only the report")
     parser.add_argument("--ablations", action="store_true",
                         help="run the ablations of tuned rows (ABLATIONS), then the report")
@@ -58,8 +63,10 @@ def main() -> None:
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
-    common = {**COMMON, "dataset": str(pool_file())}
-    command = "python bench/matrix.py"
+    common = {**COMMON, "dataset": str(pool_file()),
+              **({"device": args.device} if args.device != "auto" else {})}
+    command = "python bench/matrix.py" + (f" --device {args.device}"
+                                          if args.device != "auto" else "")
     only = [o for o in args.only.split(",") if o]
     if not args.write_only:
         with warm_federation() as federation:

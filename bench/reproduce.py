@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="keep the re-run cells here (default: a "
                         "temporary folder); a cell already there is not run again")
     args = parser.parse_args()
-    entries = [e for e in SCENARIOS[SCENARIO][1]
+    entries = [e for e in SCENARIOS[SCENARIO].entries
                if not args.only or e.label in args.only.split(",")]
     common = {**COMMON, "dataset": str(pool_file())}
     stored_matrix = Matrix(None, common)

@@ -12,18 +12,68 @@ import pytest
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.claims import claims
-from bench.evidence.protocol import SCENARIOS, tuning_grid
+from bench.evidence.protocol import SCENARIOS
 from bench.evidence.report import write_report
+from launch.comparison import config_tag
 from tests.conftest import ROOT
 
+COMMON_DIGITS = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
 
-def test_every_row_gets_the_same_tuning_budget_of_learning_rate_and_one_hyperparameter():
-    for _, entries in SCENARIOS.values():
-        for item in entries:
-            grid = tuning_grid(item.method)
-            assert len(grid) == 4, item.label
-            assert all("lr" in config and len(config) <= 2 for config in grid), item.label
-            assert len({json.dumps(c, sort_keys=True) for c in grid}) == 4, item.label
+
+def test_every_row_searches_the_same_learning_rates_and_at_most_the_same_extra_budget():
+    for scenario in SCENARIOS.values():
+        for item in scenario.entries:
+            assert protocol.learning_rate_stage() == [{"lr": lr} for lr in protocol.LR_GRID]
+            extra = protocol.settings_stage(item.method, 0.05)
+            assert len(extra) <= protocol.MAX_SETTINGS, item.label
+            assert all(c["lr"] == 0.05 and len(c) > 1 for c in extra), item.label
+            assert len({json.dumps(c, sort_keys=True) for c in extra}) == len(extra)
+    # a method with a setting of its own gets the whole extra budget, baselines included
+    for method in ("fedprox", "feddecomp", "fedfac", "pfedc", "factorized-fl"):
+        assert len(protocol.settings_stage(method, 0.05)) == protocol.MAX_SETTINGS, method
+
+
+def test_the_paper_methods_search_the_ranges_their_papers_report():
+    settings = protocol.SETTINGS
+    assert any(c.get("fedfac.layers") not in (None, "0") for c in settings["fedfac"])
+    assert max(c.get("fedfac.tau-quantile", 0) for c in settings["fedfac"]) >= 0.9
+    assert {0.0} <= {c.get("factorized-fl.l1") for c in settings["factorized-fl"]}
+    assert any(c.get("factorized-fl.tau") == 0.95 and c.get("factorized-fl.epsilon") == 20.0
+               and c.get("factorized-fl.min-aggregated") == 4
+               for c in settings["factorized-fl"])
+    ranks = {c.get("feddecomp.rank") for c in settings["feddecomp"]}
+    assert {0.25, 0.5, 1.0} <= ranks
+    # the first stage runs the papers' defaults: FedDecomp's 2 low-rank epochs of 5
+    assert protocol.COMMON["local-epochs"] == 5
+    assert protocol.FEDDECOMP.fixed == {"feddecomp.lora-epochs": 2}
+
+
+def test_the_search_takes_the_best_learning_rate_then_the_best_setting_by_the_last_rounds(
+        tmp_path):
+    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedprox")
+    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+
+    def store(config, curve):
+        path = protocol.cell_path(tmp_path, "dirichlet-0.1", "fedprox", "tune", config, 0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "run_config": offline.run_config("dirichlet-0.1", item, config, 0, tmp_path),
+            "num_clients": 3, "accuracy_per_round": curve, "accuracy_min": 0.0,
+            "mb_up_total": 1.0, "seconds_total": 1.0}))
+
+    # 0.02 has the best final round, 0.05 the best last 5 rounds: 0.05 is kept
+    for lr in protocol.LR_GRID:
+        store({"lr": lr}, {0.02: [0.5] * 9 + [0.9], 0.05: [0.7] * 10}.get(lr, [0.1] * 10))
+    assert offline.tuned("dirichlet-0.1", item, tune=False) == ({}, False)  # stage 2 missing
+    searched = offline.searched("dirichlet-0.1", item, tune=False)
+    assert [c for c, _ in searched][4:] == protocol.settings_stage("fedprox", 0.05)
+    for k, config in enumerate(protocol.settings_stage("fedprox", 0.05)):
+        store(config, [0.8 if k == 2 else 0.6] * 10)
+    chosen, tuned = offline.tuned("dirichlet-0.1", item, tune=False)
+    assert tuned and chosen == protocol.settings_stage("fedprox", 0.05)[2]
+    # cross-device is not searched again: its rows report what they chose on Dirichlet 0.1
+    assert protocol.SCENARIOS["cross-device"].searched_on == "dirichlet-0.1"
+    assert offline.tuned("cross-device", item, tune=False) == (chosen, True)
 
 
 def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
@@ -33,8 +83,11 @@ def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
         "feddecomp.rank-conv": 1.0, "feddecomp.rank-linear": 0.25}
 
 
-def _row(accuracy: float, mb_up: float = 10.0, seeds: int = 3, tuned: bool = True) -> dict:
-    return {"accuracy": (accuracy, 0.0), "mb_up": (mb_up, 0.0), "seeds": seeds, "tuned": tuned}
+def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True) -> dict:
+    """A row as ``row_stats`` gives it, from its per-seed figures (seeds 1, 2, ...)."""
+    return {"per_seed": {seed: {"accuracy": a} for seed, a in enumerate(per_seed, 1)},
+            "accuracy": (statistics.fmean(per_seed), 0.0), "mb_up": (mb_up, 0.0),
+            "seeds": len(per_seed), "tuned": tuned}
 
 
 def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
@@ -44,49 +97,66 @@ def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
     assert "," not in path.name and "lr=0.02" in path.name
 
 
-def test_claims_are_judged_on_the_thresholds_and_missing_rows_say_not_measured():
+def test_claims_are_judged_on_the_paired_interval_against_the_strongest_reference():
+    base = [0.60, 0.62, 0.58, 0.61, 0.59]
+
+    def shifted(by: list[float]) -> list[float]:
+        return [b + d for b, d in zip(base, by, strict=True)]
+
     stats = {
-        "dirichlet-0.1": {"fedavg": _row(0.60), "feddecomp": _row(0.66), "fedper": _row(0.68),
-                          "fedrep": _row(0.67), "fedfac": _row(0.62)},
-        "pathological-2": {"fedavg": _row(0.70), "pfedc": _row(0.90), "fedrep": _row(0.905)},
-        "permuted-labels": {"factorized-fl": _row(0.80, 0.4), "local": _row(0.805),
-                            "fedavg": _row(0.3, 10.0)},
-        "synthetic-fedfac": {"fedfac": _row(0.75), "fedfac@random-split": _row(0.70),
-                             "fedfac@dynamic": _row(0.75)},
+        "dirichlet-0.1": {
+            "fedavg": _row(base),
+            # +6 points on every seed, give or take 0.3: the interval clears +5
+            "feddecomp": _row(shifted([0.060, 0.063, 0.057, 0.061, 0.059])),
+            "fedper": _row(shifted([0.065] * 5)), "fedrep": _row(shifted([0.10] * 5)),
+            # +6 points on average, but one seed -4: the interval does not clear +3
+            "fedfac": _row(shifted([0.10, 0.10, -0.04, 0.08, 0.06])),
+        },
+        "permuted-labels": {"factorized-fl": _row(shifted([0.0] * 5), mb_up=0.4),
+                            "local": _row(shifted([0.002, -0.001, 0.0, 0.001, 0.0])),
+                            "fedavg": _row(base, mb_up=10.0)},
+        "pathological-2": {"pfedc": _row(shifted([0.3] * 5)), "fedavg": _row(base),
+                           "fedrep": _row(shifted([0.3] * 5)[:4])},  # 4 seeds of 5
     }
-    # the split is judged against its own row's random split of the same size (an ablation),
-    # not the separately tuned random-split row (0.70 here, which it would beat)
-    same_size = protocol.config_tag(protocol.SAME_SIZE_RANDOM_SPLIT)
-    ablated = {("synthetic-fedfac", "fedfac", same_size): {"accuracy": (0.76, 0.0), "seeds": 3},
-               ("synthetic-fedfac", "fedfac@dynamic", same_size): {"accuracy": (0.76, 0.0),
-                                                                   "seeds": 2}}
-    lines = claims(stats, ablated)
-    verdict = {line.split(":")[0][2:]: line for line in lines}
-    assert "**held**" in verdict["FedDecomp >= FedAvg + 5 points on Dirichlet 0.1"]
-    assert "**did not hold**" in verdict[
-        "FedDecomp not below the best of FedPer/FedRep by more than 1 point"]
-    assert "**held**" in verdict["pFedC >= FedAvg + 5 points on pathological-2"]
-    assert "**held**" in verdict["pFedC not below FedRep by more than 1 point on pathological-2"]
-    assert "**held**" in next(v for k, v in verdict.items() if k.startswith("Factorized-FL"))
-    assert "**did not hold**" in verdict["FedFac (fedfac) >= FedAvg + 3 points on Dirichlet 0.1"]
-    split_claim = ("FedFac ({}) split at least as good as a random split of the same size "
-                   "(eq. 8 simulation)")
-    assert "**did not hold**" in verdict[split_claim.format("fedfac")]
-    assert "**not measured**" in verdict[split_claim.format("fedfac@dynamic")]  # 2 seeds of 3
-    assert "**not measured**" in {line.split(":")[0][2:]: line for line in claims(stats)}[
-        split_claim.format("fedfac")]  # no same-size reference run
-    assert "**not measured**" in verdict[
-        "FedFac (fedfac@dynamic) >= FedAvg + 3 points on Dirichlet 0.1"]
-    # 1/20 of FedAvg's uplink is part of the Factorized-FL claim
-    stats["permuted-labels"]["factorized-fl"] = _row(0.80, 0.6)
-    assert "**did not hold**" in next(line for line in claims(stats, ablated)
-                                      if "Factorized-FL" in line)
-    # a row still running (one seed of three) or not tuned gives no verdict
-    stats["dirichlet-0.1"]["fedfac"] = _row(0.70, seeds=1)
-    stats["pathological-2"]["pfedc"] = _row(0.90, tuned=False)
-    partial = {line.split(":")[0][2:]: line for line in claims(stats)}
-    assert "**not measured**" in partial["FedFac (fedfac) >= FedAvg + 3 points on Dirichlet 0.1"]
-    assert "**not measured**" in partial["pFedC >= FedAvg + 5 points on pathological-2"]
+    same_size = config_tag(protocol.SAME_SIZE_RANDOM_SPLIT)
+    ablated = {("dirichlet-0.1", "fedfac", same_size): {
+        "seeds": 5, "per_seed": stats["dirichlet-0.1"]["fedfac"]["per_seed"]}}
+    judged = {c["claim"]: c for c in claims(stats, ablated)}
+    decomp = judged["FedDecomp >= FedAvg + 5 points on Dirichlet 0.1"]
+    assert decomp["verdict"] == "held" and decomp["reference"] == "fedavg"
+    assert decomp["ci95"][0] >= 0.05 and len(decomp["paired_diffs"]) == 5
+    assert abs(decomp["mean_diff"] - 0.06) < 1e-9
+    # judged against the stronger of FedPer and FedRep: FedRep, +10 points
+    best = judged["FedDecomp not below the best of FedPer/FedRep by more than 1 point"]
+    assert best["reference"] == "fedrep" and best["verdict"] == "did not hold"
+    fedfac = judged["FedFac (fedfac) >= FedAvg + 3 points on Dirichlet 0.1"]
+    assert fedfac["mean_diff"] >= 0.03 and fedfac["verdict"] == "did not hold"
+    # equal to its same-size random split on every seed: an interval of [0, 0] clears 0
+    assert judged["FedFac (fedfac) split at least as good as a random split of the same size "
+                  "on Dirichlet 0.1"]["verdict"] == "held"
+    assert judged["FedFac (fedfac@dynamic) split at least as good as a random split of the "
+                  "same size on Dirichlet 0.1"]["verdict"] == "not measured"
+    # the best baseline needs every baseline's row; then it is FedRep, the highest mean
+    best_baseline = "feddecomp not below the best baseline by more than 1 point on dirichlet-0.1"
+    assert judged[best_baseline]["verdict"] == "not measured"
+    for label in ("fedprox", "local", "fedbn", "fedavg-ft"):
+        stats["dirichlet-0.1"][label] = _row(base)
+    judged = {c["claim"]: c for c in claims(stats, ablated)}
+    assert judged["feddecomp not below the best baseline by more than 1 point on "
+                  "dirichlet-0.1"]["reference"] == "fedrep"
+    permuted = ("Factorized-FL >= Local - 1 point on permuted-labels at <= 1/20 of FedAvg's "
+                "uplink")
+    assert judged[permuted]["verdict"] == "held"
+    assert judged[permuted]["uplink_share_of_fedavg"] == 0.04
+    stats["permuted-labels"]["factorized-fl"]["mb_up"] = (0.6, 0.0)  # 6% of FedAvg's
+    assert {c["claim"]: c for c in claims(stats)}[permuted]["verdict"] == "did not hold"
+    # a reference with 4 report seeds of 5, or a row not tuned, gives no verdict
+    assert judged["pFedC not below FedRep by more than 1 point on pathological-2"][
+        "verdict"] == "not measured"
+    assert judged["pFedC >= FedAvg + 5 points on pathological-2"]["verdict"] == "held"
+    stats["pathological-2"]["pfedc"]["tuned"] = False
+    assert {c["claim"]: c for c in claims(stats)}[
+        "pFedC >= FedAvg + 5 points on pathological-2"]["verdict"] == "not measured"
 
 
 @pytest.mark.integration
@@ -130,6 +200,14 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     assert (f"{statistics.mean(fedavg):.4f} ± {statistics.stdev(fedavg):.4f}") in row
     assert "not tuned yet" in row and "| 2 |" in row
     assert "FedDecomp >= FedAvg + 5 points on Dirichlet 0.1: **not measured**" in report
+    summary = json.loads((tmp_path / "matrix" / "summary.json").read_text())
+    assert summary["protocol"]["report_seeds"] == [1, 2]
+    row = summary["rows"]["dirichlet-0.1/fedavg"]
+    assert row["num_clients"] == 3 and not row["tuned"]
+    assert {seed: r["curve"] for seed, r in row["per_seed"].items()} == {
+        str(json.loads(c.read_text())["seed"]): json.loads(c.read_text())["accuracy_per_round"]
+        for c in cells if c.parent.name == "fedavg"}
+    assert row["mean"] == pytest.approx(statistics.mean(fedavg))
     assert (tmp_path / "matrix" / "accuracy-dirichlet-0.1.png").stat().st_size > 0
     assert (tmp_path / "matrix" / "accuracy-vs-uplink.png").stat().st_size > 0
 
@@ -142,17 +220,19 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
     common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 2, "plot": False}
     probe = protocol.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
     monkeypatch.setattr(protocol, "ABLATIONS", [probe])
-    grid = tuning_grid("feddecomp")
     offline = Matrix(None, common, tmp_path, num_clients=3)
     assert offline.ablation(probe) == []  # its row is not tuned yet
-    item = next(e for e in SCENARIOS["dirichlet-0.1"][1] if e.label == "feddecomp")
-    best = grid[2]
+    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "feddecomp")
+    grid = protocol.learning_rate_stage() + protocol.settings_stage("feddecomp", 0.02)
+    best = grid[5]
     for k, config in enumerate(grid):
         path = protocol.cell_path(tmp_path, "dirichlet-0.1", "feddecomp", "tune", config, 0)
         path.parent.mkdir(parents=True, exist_ok=True)
+        accuracy = 0.9 if config == best else 0.5 if config == {"lr": 0.02} else 0.01 * k
         path.write_text(json.dumps({"run_config": offline.run_config(
             "dirichlet-0.1", item, config, 0, tmp_path), "config": config,
-            "num_clients": 3, "accuracy_weighted": 0.9 if config == best else 0.1 * k}))
+            "num_clients": 3, "accuracy_per_round": [accuracy] * 2, "accuracy_min": 0.0,
+            "mb_up_total": 1.0, "seconds_total": 1.0}))
 
     [cell] = Matrix(federation, common, tmp_path, num_clients=3).ablation(probe)
     assert cell["stage"] == "ablation" and cell["config"] == {**best, "feddecomp.rank": 1.0}

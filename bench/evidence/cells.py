@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,12 @@ from bench.evidence.protocol import (
     cell_path,
     comparable_config,
     expand,
-    tuning_grid,
+    learning_rate_stage,
+    settings_stage,
 )
 from bench.report import RESULTS, produced_by
 from common.config import app_packages
-from launch.comparison import config_tag, summarize_run
+from launch.comparison import config_tag, run_figures, summarize_run
 from launch.federation import LocalFederation
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,20 +29,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class Matrix:
     """The cells under ``out``: stored ones are read, missing ones run on ``federation`` (one
-    private SuperLink) when there is one."""
+    private SuperLink) when there is one. ``num_clients`` replaces every scenario's own
+    (tests run three)."""
 
     def __init__(self, federation: LocalFederation | None, common: dict[str, Any],
-                 out: Path = RESULTS, num_clients: int = protocol.NUM_CLIENTS) -> None:
+                 out: Path = RESULTS, num_clients: int | None = None) -> None:
         self.federation = federation
         self.common = common
         self.out = out
         self.num_clients = num_clients
 
+    def clients(self, scenario: str) -> int:
+        return self.num_clients or SCENARIOS[scenario].num_clients
+
     def run_config(self, scenario: str, item: Entry, config: dict[str, Any], seed: int,
                    out: Path) -> dict[str, Any]:
         """What one cell runs: the common settings, the scenario's, the row's, the config."""
-        scenario_config, _ = SCENARIOS[scenario]
-        return {**self.common, **scenario_config, **item.fixed, **expand(config),
+        return {**self.common, **SCENARIOS[scenario].config, **item.fixed, **expand(config),
                 "method": item.method, "seed": seed, "output-dir": str(out)}
 
     def cell(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
@@ -53,15 +58,17 @@ class Matrix:
         if path.exists():
             stored = json.loads(path.read_text())
             if (comparable_config(stored["run_config"]) == comparable_config(run_config)
-                    and stored.get("num_clients") == self.num_clients):
+                    and stored.get("num_clients") == self.clients(scenario)):
                 return stored
             print(f"{path}: ran under another protocol (COMMON, the pool, the scenario or "
                   "the number of clients changed since); not used", file=sys.stderr)
         if self.federation is None or not may_run:
             return None
         commit = produced_by("pyproject.toml", *app_packages())  # the code the run starts with
-        run = self.federation.run(ROOT, run_config, num_supernodes=self.num_clients,
-                                  timeout=1800)
+        started = time.monotonic()
+        run = self.federation.run(ROOT, run_config, num_supernodes=self.clients(scenario),
+                                  timeout=3600)
+        wall = time.monotonic() - started
         if not run.ok:
             print(run.output[-3000:], file=sys.stderr)
             print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: run failed "
@@ -70,27 +77,42 @@ class Matrix:
             return None
         record = {"scenario": scenario, "label": item.label, "stage": stage,
                   "config": config, "seed": seed, "run_config": run_config,
-                  "num_clients": self.num_clients, "commit": commit,
+                  "num_clients": self.clients(scenario), "commit": commit,
+                  "wall_seconds": wall,
                   **summarize_run(json.loads((out / "results.json").read_text()))}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
         print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: "
               f"acc {record['accuracy_weighted']:.4f} min {record['accuracy_min']:.4f} "
-              f"{record['seconds_total']:.0f} s", flush=True)
+              f"{wall:.0f} s", flush=True)
         return record
 
-    def tuned(self, scenario: str, item: Entry, tune: bool) -> tuple[dict[str, Any], bool]:
-        """The configuration to report and whether the whole grid was run for it."""
-        cells = [(c, self.cell(scenario, item, "tune", c, protocol.TUNING_SEED, may_run=tune))
-                 for c in tuning_grid(item.method)]
-        done = [(c, r) for c, r in cells if r is not None]
-        if len(done) < len(cells):
-            return {}, False
-        # by the final round, as the stored cells were chosen; the compare command chooses by
-        # the last rounds' mean (launch.comparison.run_figures), which the matrix's next
-        # protocol takes up with its re-run (tuning by it now would orphan the report cells)
-        return max(done, key=lambda cr: cr[1]["accuracy_weighted"])[0], True
+    def searched(self, scenario: str, item: Entry, tune: bool
+                 ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+        """The row's search on the tuning seed, each configuration with its cell (None while
+        missing): the learning-rate stage, then, once it is complete, the method's settings
+        at the stage's best learning rate. ``tune``: run the missing cells. A scenario
+        ``searched_on`` another has its row's search there."""
+        if (other := SCENARIOS[scenario].searched_on) is not None:
+            return self.searched(other, item, tune)
+        def cells(configs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
+            return [(c, self.cell(scenario, item, "tune", c, protocol.TUNING_SEED,
+                                  may_run=tune)) for c in configs]
 
+        first = cells(learning_rate_stage())
+        if any(r is None for _, r in first):
+            return first
+        lr = best(first)["lr"]
+        return first + cells(settings_stage(item.method, lr))
+
+    def tuned(self, scenario: str, item: Entry, tune: bool) -> tuple[dict[str, Any], bool]:
+        """The configuration to report and whether the whole search ran for it: the best of
+        the search by the mean of its last rounds on the tuning seed (the report's figure;
+        never one round's)."""
+        searched = self.searched(scenario, item, tune)
+        if any(r is None for _, r in searched):
+            return {}, False
+        return best(searched), True
 
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
         """The ablation's cells on the report seeds (none before its row is tuned)."""
@@ -105,10 +127,15 @@ class Matrix:
             may_run=may_run)) is not None]
 
 
+def best(searched: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The configuration whose run has the highest figure (the first of equals)."""
+    return max(searched, key=lambda cr: run_figures(cr[1])["accuracy"])[0]
+
+
 def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
     """The rows of ``scenarios`` that ``only`` names (a label, a method, or
     ``scenario/label``; empty: all)."""
-    return [(s, e) for s in scenarios for e in SCENARIOS[s][1]
+    return [(s, e) for s in scenarios for e in SCENARIOS[s].entries
             if not only or {e.label, e.method, f"{s}/{e.label}"} & set(only)]
 
 

@@ -11,28 +11,76 @@ import numpy as np
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
-from bench.evidence.claims import claims
-from bench.evidence.protocol import (
-    COMMON,
-    POOL_SIZE,
-    SCENARIOS,
-)
+from bench.evidence.claims import claim_line, claims
+from bench.evidence.protocol import POOL_SIZE, SCENARIOS
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
-from launch.comparison import config_tag
+from launch.comparison import config_tag, last_rounds_mean
+
+SLOPE_LIMIT = 0.002   # accuracy per round over the last 10 rounds: "the curve has stopped"
+
+
+def flag(row: dict[str, Any]) -> str:
+    """Why a row's figure may not be its final level ("" when its curve has stopped)."""
+    slope = row["slope"][0]
+    if slope > SLOPE_LIMIT:
+        return (f"still rising at round {row['cells'][0]['rounds'][-1]} "
+                f"({100 * slope:+.2f} points a round over the last 10 rounds)")
+    return ""
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| method | configuration | seeds | acc, last 5 rounds (mean ± std) | min client | "
-             "slope (points/round) | uplink MB (total) | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | chosen configuration (of searched) | seeds | acc, last 5 rounds "
+             "(mean ± std) | task acc | min client | slope (points/round) | uplink MB "
+             "(total) | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        config = r["config"] + ("" if r["tuned"] else " (not tuned yet)")
+        config = (f"{r['config']} ({len(r['grid'])})" if r["tuned"]
+                  else f"{r['config']} (not tuned yet)")
+        task = f"{r['accuracy_task'][0]:.4f}" if "accuracy_task" in r else "-"
+        slope = f"{100 * r['slope'][0]:+.2f}" + (" ⚑" if flag(r) else "")
         lines.append(f"| {r['label']} | {config} | {r['seeds']} | "
-                     f"{r['accuracy'][0]:.4f} ± {r['accuracy'][1]:.4f} | "
-                     f"{r['accuracy_min'][0]:.4f} | {100 * r['slope'][0]:+.2f} | "
+                     f"{r['accuracy'][0]:.4f} ± {r['accuracy'][1]:.4f} | {task} | "
+                     f"{r['accuracy_min'][0]:.4f} | {slope} | "
                      f"{r['mb_up'][0]:.2f} | {r['seconds'][0]:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
+            judged: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary.json``: the protocol, every row's search and seeds, every claim's judgement
+    (accuracies as fractions)."""
+    rows = {}
+    for scenario, entries in stats.items():
+        config = SCENARIOS[scenario].config
+        for label, r in entries.items():
+            rows[f"{scenario}/{label}"] = {
+                "method": r["method"], "num_clients": matrix.clients(scenario),
+                "fraction_train": config.get("fraction-train", 1.0),
+                "rounds": config.get("num-server-rounds", matrix.common["num-server-rounds"]),
+                "lr_grid": sorted({c["lr"] for c in r["grid"]}), "grid": r["grid"],
+                "chosen": r["chosen"], "tuned": r["tuned"],
+                "searched_on": SCENARIOS[scenario].searched_on or scenario,
+                "per_seed": {str(c["seed"]): {"last5": r["per_seed"][c["seed"]]["accuracy"],
+                                              "curve": c["accuracy_per_round"],
+                                              **({"task_last5": last_rounds_mean(
+                                                  c["accuracy_task_per_round"])}
+                                                 if "accuracy_task_per_round" in c else {})}
+                             for c in r["cells"]},
+                "mean": r["accuracy"][0], "std": r["accuracy"][1],
+                "slope_last10": r["slope"][0], "flag": flag(r),
+                "mb_up": r["mb_up"][0],
+                **({"task_mean": r["accuracy_task"][0]} if "accuracy_task" in r else {})}
+    return {"protocol": {"rounds": matrix.common["num-server-rounds"],
+                         "tuning_seed": protocol.TUNING_SEED,
+                         "report_seeds": list(protocol.REPORT_SEEDS),
+                         "lr_grid": list(protocol.LR_GRID),
+                         "settings": protocol.SETTINGS,
+                         "common": {k: v for k, v in matrix.common.items() if k != "dataset"},
+                         "pool": {"dataset": "fashion-mnist", "size": POOL_SIZE},
+                         "scenarios": {s: {"config": sc.config, "num_clients": sc.num_clients}
+                                       for s, sc in SCENARIOS.items()}},
+            "rows": rows, "claims": judged}
 
 
 def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
@@ -88,53 +136,71 @@ def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
 
 
 def write_report(matrix: Matrix, command: str) -> str:
-    stats = {s: {e.label: r for e in entries if (r := row_stats(matrix, s, e)) is not None}
-             for s, (_, entries) in SCENARIOS.items()}
+    """report.md, summary.json and the plots, from the cells present."""
+    stats = {s: {e.label: r for e in scenario.entries
+                 if (r := row_stats(matrix, s, e)) is not None}
+             for s, scenario in SCENARIOS.items()}
     stats = {s: rows for s, rows in stats.items() if rows}
     ablated = ablation_stats(matrix, stats)
+    judged = claims(stats, ablated)
     out = matrix.out
     cells = sorted((out / "matrix" / "cells").rglob("*.json"))
     commits = collections.Counter(json.loads(c.read_text()).get("commit", "not recorded")
                                   for c in cells)
+    wall = sum(json.loads(c.read_text()).get("wall_seconds", 0.0) for c in cells)
+    shared = ", ".join(f"`{k}={v}`" for k, v in matrix.common.items()
+                       if k not in ("dataset", "plot"))
     parts = [
         "# Evidence matrix\n\n",
         f"```\n{command}\n```\n\n",
         f"Written by `bench/matrix.py` (commit `{produced_by()}`) from the stored cells "
-        f"(`matrix/cells/`, one JSON per run: {len(cells)} stored; the code that ran them: "
+        f"(`matrix/cells/`, one JSON per run: {len(cells)} stored, {wall / 3600:.1f} h of "
+        "runs, start-up included, on a 2-core machine without a GPU; the code that ran them: "
         + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "). "
-        f"Protocol: {POOL_SIZE} Fashion-MNIST training images drawn with "
-        f"seed 0 from the real IDX files, {matrix.num_clients} clients, each keeping "
-        f"{COMMON['test-fraction']} of its share as its test split; the CNN (an MLP on "
-        f"the synthetic data), "
-        f"{COMMON['num-server-rounds']} rounds, {COMMON['local-epochs']} local epochs, batch "
-        f"{COMMON['batch-size']}, momentum {COMMON['momentum']} for every method. Tuning on "
-        f"seed {protocol.TUNING_SEED} (four runs per method: the learning rate, and the main "
-        "hyperparameter where a method has one, by final-round accuracy), reported on seeds "
-        f"{', '.join(map(str, protocol.REPORT_SEEDS))}. The statistics are the compare "
-        "command's (`launch/comparison.py`): personalized accuracy weighted by test "
-        "examples, the mean of a run's last 5 rounds, then mean ± std over seeds (never the "
-        "best round); min client: the same for the lowest client (its final round where a "
-        "cell kept no curve of it); slope: accuracy points per round over the last 10 "
-        "rounds; uplink and seconds per run. A row marked *not tuned yet* ran its defaults."
-        "\n\n",
-        "## Paper claims\n\n", "\n".join(claims(stats, ablated)), "\n\n",
+        f"Protocol: {POOL_SIZE} Fashion-MNIST training images drawn with seed 0 from the real "
+        f"IDX files; for every method {shared} (a scenario may set its own rounds). Search on "
+        f"seed {protocol.TUNING_SEED}, the same for every row: its defaults (the papers' "
+        f"values) at each learning rate of {list(protocol.LR_GRID)}, then, at the best one, "
+        f"at most {protocol.MAX_SETTINGS} configurations of the method's own settings "
+        "(`SETTINGS` in `bench/evidence/protocol.py`); the best by the mean of its last 5 "
+        f"rounds is reported on seeds {', '.join(map(str, protocol.REPORT_SEEDS))}. The "
+        "statistics are the compare command's (`launch/comparison.py`): personalized "
+        "accuracy weighted by test examples, the mean of a run's last 5 rounds, then mean ± "
+        "std over seeds (never the best round); task acc: the mean over clients of each "
+        "client's mean per-class accuracy (pFedC's paper reports this); min client: the same "
+        "last-5 mean for the lowest client; slope: accuracy points per round over the last "
+        f"10 rounds, flagged ⚑ above {100 * SLOPE_LIMIT:.1f}; uplink and seconds per run. A "
+        "claim is judged on the per-seed paired difference against its reference: held when "
+        "its 95% interval lies at or above the margin. Machine-readable: "
+        "[`matrix/summary.json`](matrix/summary.json).\n\n",
+        "## Paper claims\n\n", "\n".join(map(claim_line, judged)), "\n\n",
     ]
+    flagged = [f"- {s}/{label}: {flag(r)}" for s, rows in stats.items()
+               for label, r in rows.items() if flag(r)]
+    if flagged:
+        parts += ["## Rows whose curve had not stopped\n\n", "\n".join(flagged), "\n\n"]
     ablations = ablation_table(ablated)
     if ablations:
         parts += ["## Ablations\n\nA row's tuned configuration with one change, on the same "
                   "report seeds: why a claim did not hold, or the reference a claim is judged "
                   "against (FedFac's random split of the same size).\n\n", ablations, "\n"]
     for scenario, rows in stats.items():
-        parts += [f"## {scenario}\n\n", table(list(rows.values())),
+        searched_on = SCENARIOS[scenario].searched_on
+        parts += [f"## {scenario}\n\n{SCENARIOS[scenario].question}; "
+                  f"{matrix.clients(scenario)} clients"
+                  + (f"; each row runs the configuration it chose on {searched_on}"
+                     if searched_on else "") + ".\n\n", table(list(rows.values())),
                   f"\n![{scenario}](matrix/accuracy-{scenario}.png)\n\n"]
-    missing = [f"{s}/{e.label}" for s, (_, entries) in SCENARIOS.items() for e in entries
+    missing = [f"{s}/{e.label}" for s, scenario in SCENARIOS.items() for e in scenario.entries
                if e.label not in stats.get(s, {})]
     if missing:
         parts.append("## Not run yet\n\n" + ", ".join(missing) + "\n\n")
+    (out / "matrix").mkdir(parents=True, exist_ok=True)
     if stats:
         plots(stats, out)
         parts.append("![accuracy against uplink](matrix/accuracy-vs-uplink.png)\n")
+    (out / "matrix" / "summary.json").write_text(
+        json.dumps(summary(matrix, stats, judged), indent=1) + "\n")
     text = "".join(parts)
-    (out / "matrix").mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text)
     return text

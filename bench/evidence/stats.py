@@ -8,17 +8,26 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.protocol import Entry
-from launch.comparison import config_tag, method_stats
+from launch.comparison import config_tag, last_rounds_mean, mean_std, method_stats
 
 
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:
+    """The row over its report seeds (None before any ran): the figures of the compare
+    command, the search it was chosen from, and the mean task accuracy where its cells have
+    it."""
+    searched = matrix.searched(scenario, item, tune=False)
     config, tuned = matrix.tuned(scenario, item, tune=False)
     cells = {seed: c for seed in protocol.REPORT_SEEDS if (c := matrix.cell(
         scenario, item, "report", config, seed, may_run=False)) is not None}
     if not cells:
         return None
-    return {"label": item.label, "config": config_tag(config), "tuned": tuned,
-            **method_stats(cells), "seeds": len(cells), "cells": list(cells.values())}
+    stats = {"label": item.label, "method": item.method, "config": config_tag(config),
+             "chosen": config, "tuned": tuned, "grid": [c for c, _ in searched],
+             **method_stats(cells), "seeds": len(cells), "cells": list(cells.values())}
+    if all("accuracy_task_per_round" in c for c in cells.values()):
+        stats["accuracy_task"] = mean_std([last_rounds_mean(c["accuracy_task_per_round"])
+                                           for c in cells.values()])
+    return stats
 
 
 def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
@@ -34,5 +43,6 @@ def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
         figures = method_stats({c["seed"]: c for c in cells})
         out[(ablation.scenario, ablation.label, config_tag(ablation.change))] = {
             "ablation": ablation, "row": row, "seeds": len(cells),
-            "accuracy": figures["accuracy"], "accuracy_min": figures["accuracy_min"]}
+            "per_seed": figures["per_seed"], "accuracy": figures["accuracy"],
+            "accuracy_min": figures["accuracy_min"]}
     return out
