@@ -41,7 +41,7 @@ from common.config import app_defaults  # noqa: E402
 from launch.federation import LocalFederation  # noqa: E402
 from launch.ray_head import warm_federation  # noqa: E402
 from strategies.registry import build_model  # noqa: E402
-from strategies.training import LocalTraining, evaluate  # noqa: E402
+from strategies.training import LocalTraining, evaluate_model  # noqa: E402
 
 
 def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
@@ -71,7 +71,7 @@ def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
         for client in clients:
             model = build_model(settings)
             model.load_state_dict(global_state, strict=False)
-            evaluate(model, client.loader(False), client.device)
+            evaluate_model(model, client.loader(False), client.device)
         seconds.append(time.perf_counter() - start)
     return seconds
 

@@ -161,8 +161,3 @@ def evaluate_model(model: nn.Module, loader: DataLoader, device: torch.device) -
     return Evaluation(loss / len(labels_all), accuracy, task_accuracy)
 
 
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """(mean loss, accuracy) of ``model`` on ``loader`` (``evaluate_model`` without the task
-    accuracy)."""
-    scored = evaluate_model(model, loader, device)
-    return scored.loss, scored.accuracy

@@ -8,7 +8,7 @@ from flwr.app import Context, RecordDict
 
 from client_app.runtime import Client
 from strategies.registry import initial_state, load_settings, wire_spec
-from strategies.training import evaluate
+from strategies.training import evaluate_model
 from tests.conftest import app_config, make_client, moves_per_epoch
 
 
@@ -37,7 +37,7 @@ def test_fedavg_ft_evaluates_a_fine_tuned_copy_and_sends_what_fedavg_sends():
     received = initial_state(client.settings).arrays
     model = client.model(received)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _, plain = evaluate(model, client.loader(train=False), client.device)
+    plain = evaluate_model(model, client.loader(train=False), client.device).accuracy
     tuned = client.evaluate(model, 3).accuracy
     assert tuned > plain + 0.3, (plain, tuned)
     for key, value in model.state_dict().items():

@@ -13,7 +13,7 @@ from torch import nn
 
 from client_app.runtime import Client
 from common.config import ConfigError
-from common.protocol import ARRAYS, METRICS, ClientReply
+from common.protocol import ARRAYS, METRICS, TASK_ACCURACY, ClientReply
 from models import build_backbone
 from models.fedfac import analysed_layers, element_keys, forward_layers, weighted_layers
 from strategies.engine import Strategy
@@ -26,7 +26,7 @@ from strategies.fedfac.server import (
 )
 from strategies.fedfac.spec import MASK_PREFIX, MEMBER_PREFIX
 from strategies.registry import build_model, initial_state, load_settings, wire_spec
-from strategies.training import LocalTraining, evaluate
+from strategies.training import LocalTraining, accuracy_scores, evaluate_model
 from tests.conftest import app_config, read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -344,9 +344,9 @@ def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
 
     def spy(model, loader, device):
         scored.append(model)
-        return evaluate(model, loader, device)
+        return evaluate_model(model, loader, device)
 
-    monkeypatch.setattr(fedfac_client, "evaluate", spy)
+    monkeypatch.setattr(fedfac_client, "evaluate_model", spy)
     reply = fedfac_client.local_train_personal_rows(
         client, SimpleNamespace(content=RecordDict({ARRAYS: down})))
     (model,) = scored
@@ -360,7 +360,9 @@ def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
             assert not torch.equal(value[~shared], start[name].detach()[~shared]), name
         else:
             torch.testing.assert_close(value, start[name].detach(), rtol=0, atol=0)
-    assert reply[METRICS]["accuracy"] == evaluate(model, client.loader(False), client.device)[1]
+    scores = evaluate_model(model, client.loader(False), client.device)
+    assert reply[METRICS]["accuracy"] == scores.accuracy
+    assert reply[METRICS][TASK_ACCURACY] == scores.task_accuracy
 
 
 def _fresh(client: Client) -> torch.nn.Module:
@@ -406,6 +408,11 @@ def test_new_client_ensemble_averages_the_members_softmax():
     softmax = _accuracy(lambda x: torch.stack([m(x).softmax(1) for m in models]).mean(0),
                         client)
     assert reply[METRICS]["accuracy"] == pytest.approx(softmax)
+    with torch.no_grad():  # its task accuracy is of the same ensemble predictions
+        scored = [(torch.stack([m(x).softmax(1) for m in models]).mean(0).argmax(1), y)
+                  for x, y in client.loader(False)]
+    assert reply[METRICS][TASK_ACCURACY] == pytest.approx(accuracy_scores(
+        torch.cat([p for p, _ in scored]), torch.cat([y for _, y in scored]))[1])
     alone = _fresh(client)
     alone.load_state_dict(shared)
     alternatives = [_accuracy(lambda x: torch.stack([m(x) for m in models]).mean(0), client),
@@ -432,6 +439,7 @@ def test_real_rounds_split_on_the_wire(federation, tmp_path, mode):
     assert new["clients"] == ["3"] and new["ensemble_members"] == 3
     for name in ("localtrain", "ensemble"):
         assert 0.0 <= new[name]["per_client"]["3"] <= 1.0
+        assert 0.0 <= new[name]["accuracy_task_mean"] <= 1.0
     assert all("dropped" not in r for r in rounds)   # uplink shapes matched the split
     analysed = [r["round"] for r in rounds if "fedfac" in r]
     assert analysed == ([1] if mode == "static" else [1, 2, 3])

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from common.protocol import ARRAYS, METRICS, NUM_EXAMPLES
+from common.protocol import ARRAYS, METRICS, NUM_EXAMPLES, TASK_ACCURACY
 from strategies.fedfac.spec import MEMBER_PREFIX, SharedRows
 from strategies.method import ClientSide
-from strategies.training import LocalTraining, evaluate, train_epochs
+from strategies.training import LocalTraining, accuracy_scores, evaluate_model, train_epochs
 
 
 def personal_elements(client: ClientSide, msg: Message) -> RecordDict:
@@ -50,10 +50,10 @@ def local_train_personal_rows(client: ClientSide, msg: Message) -> RecordDict:
                                       client.device, 0), trainable, client.settings.local_epochs)
     for hook in hooks:
         hook.remove()
-    test_loss, accuracy = evaluate(model, client.loader(False), client.device)
+    scores = evaluate_model(model, client.loader(False), client.device)
     return RecordDict({METRICS: MetricRecord({
-        NUM_EXAMPLES: len(client.data().y_test), "accuracy": accuracy, "loss": test_loss,
-        "train-loss": loss})})
+        NUM_EXAMPLES: len(client.data().y_test), "accuracy": scores.accuracy,
+        TASK_ACCURACY: scores.task_accuracy, "loss": scores.loss, "train-loss": loss})})
 
 
 @torch.no_grad()
@@ -71,14 +71,15 @@ def ensemble_accuracy(client: ClientSide, msg: Message) -> RecordDict:
         model.load_state_dict({**model.state_dict(), **{k: v.to(client.device)
                                                         for k, v in state.items()}})
         models.append(model.eval())
-    correct, count = 0, 0
+    predictions, labels = [], []
     for x, y in client.loader(False):
-        x, y = x.to(client.device), y.to(client.device)
-        probs = torch.stack([m(x).softmax(1) for m in models]).mean(0)
-        correct += (probs.argmax(1) == y).sum().item()
-        count += len(y)
-    return RecordDict({METRICS: MetricRecord({NUM_EXAMPLES: count,
-                                                "accuracy": correct / max(count, 1)})})
+        probs = torch.stack([m(x.to(client.device)).softmax(1) for m in models]).mean(0)
+        predictions.append(probs.argmax(1))
+        labels.append(y)
+    predicted, truth = torch.cat(predictions), torch.cat(labels)
+    accuracy, task_accuracy = accuracy_scores(predicted, truth)
+    return RecordDict({METRICS: MetricRecord({NUM_EXAMPLES: len(truth), "accuracy": accuracy,
+                                              TASK_ACCURACY: task_accuracy})})
 
 
 ACTIONS = {"fedfac.personal": personal_elements,

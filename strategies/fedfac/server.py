@@ -51,6 +51,7 @@ from common.protocol import (
     CONFIG,
     NUM_PARTITIONS,
     PARTITION_ID,
+    TASK_ACCURACY,
     ClientReply,
     client_order,
 )
@@ -239,12 +240,16 @@ class FedFacStrategy(Strategy[FedFacSettings]):
                                 ("fedfac.ensemble", ArrayRecord(members))):
             batch = self.messenger.query(grid, {n: RecordDict(
                 {ARRAYS: payload, CONFIG: ConfigRecord({ACTION: action})}) for n in new_nodes})
-            per_client = {r.client_id: float(r.metrics["accuracy"]) for r in
-                          self.replies.valid(AFTER_TRAINING, action, batch, ("accuracy",))}
+            valid = self.replies.valid(AFTER_TRAINING, action, batch,
+                                       ("accuracy", TASK_ACCURACY))
+            per_client = {r.client_id: float(r.metrics["accuracy"]) for r in valid}
             name = action.split(".")[1]
             report[name] = {"per_client": per_client,
                             "accuracy_mean": float(np.mean(list(per_client.values())))
-                            if per_client else None}
+                            if per_client else None,
+                            "accuracy_task_mean": float(np.mean(
+                                [float(r.metrics[TASK_ACCURACY]) for r in valid]))
+                            if valid else None}
         if self.ledger.record(AFTER_TRAINING).dropped:
             report["dropped"] = self.ledger.record(AFTER_TRAINING).dropped
         log(INFO, "fedfac new clients: LocalTrain %s, Ensemble %s",
