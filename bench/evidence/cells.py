@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,13 +15,14 @@ from bench.evidence.protocol import (
     Ablation,
     Entry,
     cell_path,
-    comparable_config,
+    cells_folder,
     expand,
     learning_rate_stage,
+    same_settings,
     settings_stage,
 )
 from bench.report import RESULTS, produced_by
-from common.config import app_packages
+from common.config import app_defaults, app_packages
 from launch.comparison import config_tag, run_figures, summarize_run
 from launch.federation import LocalFederation
 
@@ -38,6 +40,12 @@ class Matrix:
         self.common = common
         self.out = out
         self.num_clients = num_clients
+        self.device = str(common.get("device", "auto"))
+        self.defaults = app_defaults(ROOT)
+        # a key under another method's prefix (``fedfac.layers`` for a FedAvg row) does not
+        # change a row's numbers
+        self.method_prefixes = {k.split(".", 1)[0] for k in self.defaults if "." in k} - {
+            "identity", "aggregation"}
 
     def clients(self, scenario: str) -> int:
         return self.num_clients or SCENARIOS[scenario].num_clients
@@ -48,20 +56,38 @@ class Matrix:
         return {**self.common, **SCENARIOS[scenario].config, **item.fixed, **expand(config),
                 "method": item.method, "seed": seed, "output-dir": str(out)}
 
+    def resolved(self, method: str, run_config: dict[str, Any]) -> dict[str, Any]:
+        """The configuration a run of ``method`` resolves to (the app's defaults under
+        ``run_config``), less the keys of other methods."""
+        return {k: v for k, v in {**self.defaults, **run_config}.items()
+                if "." not in k or k.split(".", 1)[0] not in self.method_prefixes - {method}}
+
+    def method_config(self, scenario: str, item: Entry, config: dict[str, Any]
+                      ) -> dict[str, Any]:
+        """A searched configuration in full: its learning rate and every setting of its
+        method, defaults and the row's fixed ones included (what ``summary.json`` lists)."""
+        resolved = self.resolved(item.method, self.run_config(scenario, item, config, 0,
+                                                               self.out))
+        return {k: v for k, v in resolved.items()
+                if k == "lr" or k.startswith(f"{item.method}.")}
+
     def cell(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
              seed: int, may_run: bool = True) -> dict[str, Any] | None:
-        """The stored cell, if it ran under today's protocol; else run it (``may_run``)."""
-        path = cell_path(self.out, scenario, item.label, stage, config, seed)
-        cells = self.out / "matrix" / "cells"
+        """The stored cell, if it ran under today's protocol and defaults; else run it
+        (``may_run``)."""
+        path = cell_path(self.out, scenario, item.label, stage, config, seed, self.device)
+        cells = self.out / "matrix" / cells_folder(self.device)
         out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
         run_config = self.run_config(scenario, item, config, seed, out)
+        resolved = self.resolved(item.method, run_config)
         if path.exists():
             stored = json.loads(path.read_text())
-            if (comparable_config(stored["run_config"]) == comparable_config(run_config)
+            if (same_settings(stored.get("resolved_config", {"stored": "no resolved config"}),
+                              resolved)
                     and stored.get("num_clients") == self.clients(scenario)):
                 return stored
-            print(f"{path}: ran under another protocol (COMMON, the pool, the scenario or "
-                  "the number of clients changed since); not used", file=sys.stderr)
+            print(f"{path}: ran under another protocol (COMMON, the pool, the scenario, the "
+                  "number of clients or a default changed since); not used", file=sys.stderr)
         if self.federation is None or not may_run:
             return None
         commit = produced_by("pyproject.toml", *app_packages())  # the code the run starts with
@@ -77,8 +103,9 @@ class Matrix:
             return None
         record = {"scenario": scenario, "label": item.label, "stage": stage,
                   "config": config, "seed": seed, "run_config": run_config,
-                  "num_clients": self.clients(scenario), "commit": commit,
-                  "wall_seconds": wall,
+                  "resolved_config": resolved, "num_clients": self.clients(scenario),
+                  "commit": commit, "wall_seconds": wall,
+                  "machine": f"{os.cpu_count()} CPU cores, device {self.device}",
                   **summarize_run(json.loads((out / "results.json").read_text()))}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))

@@ -37,8 +37,8 @@ MAX_SETTINGS = 4                   # each row's extra configurations, at its bes
 SETTINGS: dict[str, list[dict[str, Any]]] = {
     "fedprox": [{"fedprox.mu": mu} for mu in (0.001, 0.1, 0.5, 1.0)],
     "fedrep": [{"fedrep.head-epochs": e} for e in (2, 3, 4)],
-    "feddecomp": [{"feddecomp.rank": 0.25}, {"feddecomp.rank": 0.5},
-                  {"feddecomp.rank": 1.0}, {"feddecomp.lora-epochs": 1}],
+    "feddecomp": [{"feddecomp.rank": 0.5}, {"feddecomp.rank": 1.0},
+                  {"feddecomp.bn-stats": "personal"}, {"feddecomp.lora-epochs": 1}],
     "fedfac": [{"fedfac.layers": "0"}, {"fedfac.layers": "-3,-2"},
                {"fedfac.tau-quantile": 0.5}, {"fedfac.tau-quantile": 0.95}],
     "pfedc": [{"pfedc.mgda": False}, {"pfedc.weighting": "counts"}, {"pfedc.tasks": 5},
@@ -167,9 +167,16 @@ def settings_stage(method: str, lr: float) -> list[dict[str, Any]]:
     return [{"lr": lr, **change} for change in SETTINGS.get(method, [])]
 
 
+def cells_folder(device: str = "auto") -> str:
+    """Where a device's cells are kept: ``cells`` on the CPU, ``cells-cuda`` and so on apart
+    (a GPU's numbers differ from the CPU's in the last bits, and its cells must not replace
+    them)."""
+    return "cells" if device in ("auto", "cpu") else f"cells-{device.replace(':', '')}"
+
+
 def cell_path(out: Path, scenario: str, label: str, stage: str, config: dict[str, Any],
-              seed: int) -> Path:
-    return (out / "matrix" / "cells" / scenario / label.replace("@", "-")
+              seed: int, device: str = "auto") -> Path:
+    return (out / "matrix" / cells_folder(device) / scenario / label.replace("@", "-")
             / f"{stage}-{config_tag(config)}-seed{seed}.json")
 
 
@@ -178,6 +185,15 @@ def comparable_config(run_config: dict[str, Any]) -> dict[str, Any]:
     named by its file name (the cache folder differs between machines)."""
     return {k: Path(v).name if k == "dataset" and "/" in str(v) else v
             for k, v in run_config.items() if k != "output-dir"}
+
+
+def same_settings(stored: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether a stored cell's resolved configuration (the app's defaults under its run
+    config) is today's: every key both have is equal and none was removed since. A key added
+    since (a new option, its default keeping the old behaviour) does not make it stale; a
+    changed default does."""
+    stored, current = comparable_config(stored), comparable_config(current)
+    return set(stored) <= set(current) and all(current[k] == v for k, v in stored.items())
 
 
 def pool_file(size: int = POOL_SIZE) -> Path:

@@ -12,7 +12,7 @@ import numpy as np
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import claim_line, claims
-from bench.evidence.protocol import POOL_SIZE, SCENARIOS
+from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
 from launch.comparison import config_tag, last_rounds_mean
@@ -144,18 +144,20 @@ def write_report(matrix: Matrix, command: str) -> str:
     ablated = ablation_stats(matrix, stats)
     judged = claims(stats, ablated)
     out = matrix.out
-    cells = sorted((out / "matrix" / "cells").rglob("*.json"))
+    cells = sorted((out / "matrix" / cells_folder(matrix.device)).rglob("*.json"))
     commits = collections.Counter(json.loads(c.read_text()).get("commit", "not recorded")
                                   for c in cells)
     wall = sum(json.loads(c.read_text()).get("wall_seconds", 0.0) for c in cells)
+    machines = sorted({json.loads(c.read_text()).get("machine", "not recorded") for c in cells})
     shared = ", ".join(f"`{k}={v}`" for k, v in matrix.common.items()
                        if k not in ("dataset", "plot"))
     parts = [
         "# Evidence matrix\n\n",
         f"```\n{command}\n```\n\n",
         f"Written by `bench/matrix.py` (commit `{produced_by()}`) from the stored cells "
-        f"(`matrix/cells/`, one JSON per run: {len(cells)} stored, {wall / 3600:.1f} h of "
-        "runs, start-up included, on a 2-core machine without a GPU; the code that ran them: "
+        f"(`matrix/{cells_folder(matrix.device)}/`, one JSON per run: {len(cells)} stored, "
+        f"{wall / 3600:.1f} h of runs, start-up included, on {'; '.join(machines) or '-'}; "
+        "the code that ran them: "
         + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "). "
         f"Protocol: {POOL_SIZE} Fashion-MNIST training images drawn with seed 0 from the real "
         f"IDX files; for every method {shared} (a scenario may set its own rounds). Search on "
@@ -167,7 +169,8 @@ def write_report(matrix: Matrix, command: str) -> str:
         "statistics are the compare command's (`launch/comparison.py`): personalized "
         "accuracy weighted by test examples, the mean of a run's last 5 rounds, then mean ± "
         "std over seeds (never the best round); task acc: the mean over clients of each "
-        "client's mean per-class accuracy (pFedC's paper reports this); min client: the same "
+        "client's mean per-class accuracy (our analogue of pFedC's mean accuracy over tasks, "
+        "a task a class); min client: the same "
         "last-5 mean for the lowest client; slope: accuracy points per round over the last "
         f"10 rounds, flagged ⚑ above {100 * SLOPE_LIMIT:.1f}; uplink and seconds per run. A "
         "claim is judged on the per-seed paired difference against its reference: held when "

@@ -22,7 +22,8 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
     if not cells:
         return None
     stats = {"label": item.label, "method": item.method, "config": config_tag(config),
-             "chosen": config, "tuned": tuned, "grid": [c for c, _ in searched],
+             "chosen": matrix.method_config(scenario, item, config), "tuned": tuned,
+             "grid": [matrix.method_config(scenario, item, c) for c, _ in searched],
              **method_stats(cells), "seeds": len(cells), "cells": list(cells.values())}
     if all("accuracy_task_per_round" in c for c in cells.values()):
         stats["accuracy_task"] = mean_std([last_rounds_mean(c["accuracy_task_per_round"])
