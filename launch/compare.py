@@ -37,6 +37,7 @@ from typing import Any
 
 from common.config import ConfigError, app_defaults
 from launch.comparison import (
+    RISING,
     config_tag,
     method_stats,
     paired_difference,
@@ -48,7 +49,6 @@ from launch.ray_head import warm_federation
 from launch.run_config import check_run_config, parse_overrides
 
 APP_ROOT = Path(__file__).resolve().parents[1]
-RISING = 0.002  # accuracy per round over the last 10 rounds: the curve has not flattened
 # keys that do not change a run's numbers: a stored run that differs only in these is reused
 NOT_IN_RESULTS = frozenset({"output-dir", "resume-from", "plot", "tracking", "device",
                             "data-cache", "round-timeout", "max-in-flight"})

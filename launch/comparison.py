@@ -27,6 +27,7 @@ from scipy import stats
 
 LAST_ROUNDS = 5
 SLOPE_ROUNDS = 10
+RISING = 0.002  # accuracy per round over the last SLOPE_ROUNDS: the curve has not flattened
 MB = 1024**2
 
 

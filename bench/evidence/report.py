@@ -15,15 +15,13 @@ from bench.evidence.claims import claim_line, claims
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
-from launch.comparison import config_tag, last_rounds_mean
-
-SLOPE_LIMIT = 0.002   # accuracy per round over the last 10 rounds: "the curve has stopped"
+from launch.comparison import RISING, config_tag, last_rounds_mean
 
 
 def flag(row: dict[str, Any]) -> str:
     """Why a row's figure may not be its final level ("" when its curve has stopped)."""
     slope = row["slope"][0]
-    if slope > SLOPE_LIMIT:
+    if slope > RISING:
         return (f"still rising at round {row['cells'][0]['rounds'][-1]} "
                 f"({100 * slope:+.2f} points a round over the last 10 rounds)")
     return ""
@@ -172,7 +170,7 @@ def write_report(matrix: Matrix, command: str) -> str:
         "client's mean per-class accuracy (our analogue of pFedC's mean accuracy over tasks, "
         "a task a class); min client: the same "
         "last-5 mean for the lowest client; slope: accuracy points per round over the last "
-        f"10 rounds, flagged ⚑ above {100 * SLOPE_LIMIT:.1f}; uplink and seconds per run. A "
+        f"10 rounds, flagged ⚑ above {100 * RISING:.1f}; uplink and seconds per run. A "
         "claim is judged on the per-seed paired difference against its reference: held when "
         "its 95% interval lies at or above the margin. Machine-readable: "
         "[`matrix/summary.json`](matrix/summary.json).\n\n",
