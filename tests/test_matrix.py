@@ -251,3 +251,25 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
     assert cell["run_config"]["lr"] == best["lr"]
     assert cell["run_config"]["feddecomp.rank-conv"] == 1.0 != best["feddecomp.rank"]
     assert offline.ablation(probe) == [cell]  # stored: not run again
+
+
+def test_a_cell_is_stale_when_a_default_its_method_ran_under_changed(tmp_path):
+    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+    rows = {e.label: e for e in SCENARIOS["dirichlet-0.1"].entries}
+    for label in ("fedavg", "fedfac"):
+        _store(offline, "dirichlet-0.1", rows[label], {"lr": 0.05}, [0.5] * 2)
+
+    def stored(matrix: Matrix, label: str) -> bool:
+        return matrix.cell("dirichlet-0.1", rows[label], "tune", {"lr": 0.05}, 0,
+                           may_run=False) is not None
+
+    assert stored(offline, "fedavg") and stored(offline, "fedfac")
+    changed = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+    changed.defaults = {**changed.defaults, "fedfac.layers": "0"}
+    # FedFac ran under -2: its cell is not today's; FedAvg's does not depend on FedFac's keys
+    assert not stored(changed, "fedfac") and stored(changed, "fedavg")
+    changed.defaults = {**offline.defaults, "weight-decay": 0.1}  # a general one: every row's
+    assert not stored(changed, "fedavg") and not stored(changed, "fedfac")
+    # a key added since (a new option, its default keeping the old behaviour) is no change
+    changed.defaults = {**offline.defaults, "some-new-option": 1}
+    assert stored(changed, "fedavg") and stored(changed, "fedfac")
