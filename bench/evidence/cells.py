@@ -146,8 +146,9 @@ class Matrix:
         [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
         config, tuned = self.tuned(ablation.scenario, item, tune=False)
         if not tuned:
-            print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
-                  file=sys.stderr)
+            if may_run:  # asked to run it: say why nothing ran
+                print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
+                      file=sys.stderr)
             return []
         return [c for seed in protocol.REPORT_SEEDS if (c := self.cell(
             ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
