@@ -25,6 +25,7 @@ from bench.report import RESULTS, produced_by
 from common.config import app_defaults, app_packages
 from launch.comparison import config_tag, run_figures, summarize_run
 from launch.federation import LocalFederation
+from strategies.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,10 +43,6 @@ class Matrix:
         self.num_clients = num_clients
         self.device = str(common.get("device", "auto"))
         self.defaults = app_defaults(ROOT)
-        # a key under another method's prefix (``fedfac.layers`` for a FedAvg row) does not
-        # change a row's numbers
-        self.method_prefixes = {k.split(".", 1)[0] for k in self.defaults if "." in k} - {
-            "identity", "aggregation"}
 
     def clients(self, scenario: str) -> int:
         return self.num_clients or SCENARIOS[scenario].num_clients
@@ -58,9 +55,10 @@ class Matrix:
 
     def resolved(self, method: str, run_config: dict[str, Any]) -> dict[str, Any]:
         """The configuration a run of ``method`` resolves to (the app's defaults under
-        ``run_config``), less the keys of other methods."""
+        ``run_config``), less the keys of other methods (``fedfac.layers`` does not change a
+        FedAvg row's numbers)."""
         return {k: v for k, v in {**self.defaults, **run_config}.items()
-                if "." not in k or k.split(".", 1)[0] not in self.method_prefixes - {method}}
+                if k.split(".", 1)[0] in (k, method) or k.split(".", 1)[0] not in REGISTRY}
 
     def method_config(self, scenario: str, item: Entry, config: dict[str, Any]
                       ) -> dict[str, Any]:
@@ -82,8 +80,7 @@ class Matrix:
         resolved = self.resolved(item.method, run_config)
         if path.exists():
             stored = json.loads(path.read_text())
-            if (same_settings(stored.get("resolved_config", {"stored": "no resolved config"}),
-                              resolved)
+            if ("resolved_config" in stored and same_settings(stored["resolved_config"], resolved)
                     and stored.get("num_clients") == self.clients(scenario)):
                 return stored
             print(f"{path}: ran under another protocol (COMMON, the pool, the scenario, the "
@@ -122,6 +119,7 @@ class Matrix:
         ``searched_on`` another has its row's search there."""
         if (other := SCENARIOS[scenario].searched_on) is not None:
             return self.searched(other, item, tune)
+
         def cells(configs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
             return [(c, self.cell(scenario, item, "tune", c, protocol.TUNING_SEED,
                                   may_run=tune)) for c in configs]
@@ -136,10 +134,7 @@ class Matrix:
         """The configuration to report and whether the whole search ran for it: the best of
         the search by the mean of its last rounds on the tuning seed (the report's figure;
         never one round's)."""
-        searched = self.searched(scenario, item, tune)
-        if any(r is None for _, r in searched):
-            return {}, False
-        return best(searched), True
+        return chosen(self.searched(scenario, item, tune))
 
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
         """The ablation's cells on the report seeds (none before its row is tuned)."""
@@ -153,6 +148,14 @@ class Matrix:
         return [c for seed in protocol.REPORT_SEEDS if (c := self.cell(
             ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
             may_run=may_run)) is not None]
+
+
+def chosen(searched: list[tuple[dict[str, Any], dict[str, Any] | None]]
+           ) -> tuple[dict[str, Any], bool]:
+    """A search's choice and whether the search is complete (``({}, False)`` while not)."""
+    if any(r is None for _, r in searched):
+        return {}, False
+    return best(searched), True
 
 
 def best(searched: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
