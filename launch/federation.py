@@ -42,6 +42,7 @@ from typing import Any
 import tomli_w
 
 from common.config import ConfigError, app_defaults
+from launch.forkserver import ForkServer
 from launch.run_config import check_run_config, parse_overrides
 
 _HANDED_OUT: set[int] = set()
@@ -176,8 +177,11 @@ class LocalFederation:
     """A private simulation SuperLink for ``flwr run`` (context manager)."""
 
     def __init__(self, home: str | Path | None = None, ray_address: str | None = None,
-                 pythonpath: Sequence[str | Path] = ()) -> None:
+                 pythonpath: Sequence[str | Path] = (),
+                 forkserver: ForkServer | None = None) -> None:
         self.ray_address = ray_address
+        # Flower's flwr-simulation (and a SuperNode's flwr-clientapp) forked warm from it
+        self.forkserver = forkserver
         # folders the app's processes import from besides the app (a user's model module):
         # Flower hands the PYTHONPATH on to its Ray workers
         self.pythonpath = [str(Path(folder).resolve()) for folder in pythonpath]
@@ -196,8 +200,10 @@ class LocalFederation:
         inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
         path_env = ({"PYTHONPATH": os.pathsep.join([*self.pythonpath, *inherited])}
                     if self.pythonpath else {})
-        return {**os.environ, **ray_env, **path_env,
-                "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        warm = self.forkserver.env() if self.forkserver is not None else {}
+        return {**os.environ, **ray_env, **path_env, **warm,
+                "PATH": os.pathsep.join([*filter(None, [warm.get("PATH")]), bin_dir,
+                                         os.environ.get("PATH", "")]),
                 "FLWR_HOME": str(self.home),
                 "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(self.http_port),
                 "FLWR_LOCAL_CONTROL_API_PORT": str(self.control_port),

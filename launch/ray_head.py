@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from launch.federation import LocalFederation, free_port, stop_process_groups
+from launch.forkserver import ForkServer
 
 STARTED = "Ray runtime started."
 WARM_UP = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
@@ -95,9 +96,14 @@ def driver_failure(error: subprocess.CalledProcessError | subprocess.TimeoutExpi
 
 
 @contextlib.contextmanager
-def warm_federation(pythonpath: Sequence[str | Path] = ()) -> Iterator[LocalFederation]:
-    """A private SuperLink whose runs join one Ray head kept up between them (warm runs);
-    both stopped on exit. ``pythonpath``: as for ``LocalFederation``."""
-    with RayHead() as head, LocalFederation(ray_address=head.address,
-                                            pythonpath=pythonpath) as federation:
-        yield federation
+def warm_federation(pythonpath: Sequence[str | Path] = (),
+                    forkserver: ForkServer | None = None) -> Iterator[LocalFederation]:
+    """A private SuperLink whose runs join one Ray head kept up between them, their
+    ``flwr-simulation`` processes forked from a fork server (``forkserver``, or one of its
+    own), so that one run after another skips Ray's start and Flower's imports (warm runs);
+    what it started is stopped on exit. ``pythonpath``: as for ``LocalFederation``."""
+    with contextlib.ExitStack() as started:
+        forks = forkserver or started.enter_context(ForkServer())
+        head = started.enter_context(RayHead())
+        yield started.enter_context(LocalFederation(
+            ray_address=head.address, pythonpath=pythonpath, forkserver=forks))

@@ -15,6 +15,7 @@ import torch
 
 from common.config import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation
+from launch.forkserver import ForkServer
 from launch.ray_head import warm_federation
 from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest hook)
 
@@ -55,11 +56,19 @@ def make_client(partition: int, run_config: dict[str, Any], **node: Any):
 
 
 @pytest.fixture(scope="session")
-def federation():
+def forkserver():
+    """One fork server for the session (of each pytest worker): the simulations'
+    flwr-simulation and the deployments' flwr-clientapp processes start warm from it."""
+    with ForkServer() as forks:
+        yield forks
+
+
+@pytest.fixture(scope="session")
+def federation(forkserver):
     """One private simulation SuperLink for the whole session (of each pytest worker), its
-    runs on one Ray head kept up between them (warm runs: about half the CPU of a cold run);
-    both stopped at the end."""
-    with warm_federation(pythonpath=[USER_CODE]) as fed:
+    runs on one Ray head kept up between them and their flwr-simulation processes forked
+    warm (warm runs); all stopped at the end."""
+    with warm_federation(pythonpath=[USER_CODE], forkserver=forkserver) as fed:
         yield fed
 
 

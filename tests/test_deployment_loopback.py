@@ -52,14 +52,14 @@ def _rounds_done(out: Path) -> int:
     return len(read_results(out)["rounds"]) if path.exists() else 0
 
 
-def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path):
+def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path, forkserver):
     out = tmp_path / "out"
     timeout = 60.0
     # the two-exchange protocol: "round k written" then means site-2's round-k state was
     # evaluated, which the assertions below compare with its state after the restart
     config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 2,
               "round-timeout": timeout, "output-dir": str(out), "fused-evaluation": False}
-    with LocalDeployment(3, home=tmp_path / "home") as deployment:
+    with LocalDeployment(3, home=tmp_path / "home", forkserver=forkserver) as deployment:
         runner, result = run_in_background(deployment, config)
         wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
         deployment.kill_site(2)                       # SIGKILL, mid-run
@@ -151,7 +151,8 @@ def _impostor_checks(run, out: Path) -> list[dict]:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
-def test_tls_with_node_authentication_a_node_cannot_claim_another_sites_id(tmp_path):
+def test_tls_with_node_authentication_a_node_cannot_claim_another_sites_id(tmp_path,
+                                                                          forkserver):
     """TLS with the certificates deploy/make-certs.sh makes, and SuperNode authentication:
     each site registered under its name; site 3 (registered as site-3) says it is site-0.
     The three genuine sites run a personalized method to the end."""
@@ -159,7 +160,7 @@ def test_tls_with_node_authentication_a_node_cannot_claim_another_sites_id(tmp_p
     subprocess.run(["bash", str(ROOT / "deploy" / "make-certs.sh"), str(certs)], check=True,
                    capture_output=True)
     with LocalDeployment(4, certs_dir=certs, home=tmp_path / "home", supernode_auth=True,
-                         client_ids={3: "site-0"}) as deployment:
+                         client_ids={3: "site-0"}, forkserver=forkserver) as deployment:
         out = tmp_path / "out"
         run = deployment.run(ROOT, {**CONFIG, "min-nodes": 4, "output-dir": str(out),
                                     "identity.require-registered": True})
@@ -170,12 +171,12 @@ def test_tls_with_node_authentication_a_node_cannot_claim_another_sites_id(tmp_p
                for d in claims)
 
 
-def test_without_authentication_a_second_live_node_cannot_take_an_id(tmp_path):
+def test_without_authentication_a_second_live_node_cannot_take_an_id(tmp_path, forkserver):
     """No authentication (identities are self-declared): once site-0 is known, a second live
     node claiming site-0 is refused instead of evicting it."""
     out = tmp_path / "out"
     with LocalDeployment(4, home=tmp_path / "home", client_ids={3: "site-0"},
-                         start_sites=[0, 1, 2]) as deployment:
+                         start_sites=[0, 1, 2], forkserver=forkserver) as deployment:
         runner, result = run_in_background(deployment, {**CONFIG, "num-server-rounds": 3,
                                                      "output-dir": str(out)})
         wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)

@@ -1,0 +1,264 @@
+"""Flower's per-run and per-message processes started warm: forked from a process that has
+already imported Flower, PyTorch and Ray, instead of started and imported from scratch.
+
+Flower 1.41 starts a fresh ``flwr-simulation`` process for every run and a fresh
+``flwr-clientapp`` process for every message a SuperNode receives; each first spends 2-4 s
+of CPU importing Flower, PyTorch and Ray before doing 0.05-0.5 s of work. Flower finds both
+commands on ``PATH``, so a launcher that puts ``ForkServer.bin_dir`` first on the ``PATH`` of
+the SuperLink or SuperNode it starts gets them from here:
+
+- the fork server (``python -m launch.forkserver SOCKET``) imports the modules both commands
+  need once, then waits on a Unix socket;
+- each command on ``bin_dir`` is a small shim (stdlib only, ~0.04 s) that hands the server
+  its arguments, environment, working folder and standard streams; the server forks a child
+  that takes them over and calls the same Flower entry point the real command calls;
+- the shim forwards SIGTERM/SIGINT/SIGHUP to the child and exits as the child exits (with
+  its code, or by its signal); a child whose shim is gone (SIGKILL of its process group) is
+  stopped; with no fork server reachable, the shim runs the real command instead.
+
+The child's seeds are unaffected: the app seeds everything it uses from its run config.
+Python's and NumPy's global generators are re-seeded from the OS in every child, as in a new
+process, and PyTorch's threads follow the child's ``OMP_NUM_THREADS`` as they would there.
+
+    with ForkServer() as forks, LocalFederation(forkserver=forks) as federation: ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+# The commands a fork server starts (their console-script entry points, as Flower's package
+# declares them), and the modules it imports for them in advance
+COMMANDS = {"flwr-simulation": "flwr.simulation.app:flwr_simulation",
+            "flwr-clientapp": "flwr.supernode.cli:flwr_clientapp"}
+PRELOAD = ("torch", "numpy", "ray", "flwr.serverapp", "flwr.clientapp")
+SOCKET_ENV = "PFLOWER_FORKSERVER"
+READY = b"ready"
+
+# The shim, filled in per command; stdlib only and run with -IS, so that it starts in
+# ~0.04 s. Its protocol: one request (JSON + the three standard streams), then the child's
+# pid, then its exit status (a negative number: the signal that ended it).
+SHIM = '''#!{python} -IS
+import json, os, signal, socket, sys
+REAL = {real!r}
+path = os.environ.get({socket_env!r}, "")
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try:
+    sock.connect(path)
+    request = {{"command": {command!r}, "argv": sys.argv, "cwd": os.getcwd(),
+               "env": dict(os.environ)}}
+    socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
+    pid = int(sock.recv(64))
+except (OSError, ValueError):
+    sock.close()
+    os.execv(REAL, [REAL, *sys.argv[1:]])
+def forward(number, _):
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(number, forward)
+reply = sock.recv(64)
+status = int(reply) if reply else 1
+if status < 0:
+    signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+sys.exit(status)
+'''
+
+
+class ForkServer:
+    """A fork server for ``commands`` (name: ``module:function``, default ``COMMANDS``) and
+    their shims in ``bin_dir`` (context manager); stopped, with every child it forked, on
+    exit."""
+
+    def __init__(self, commands: Mapping[str, str] | None = None) -> None:
+        self.commands = dict(COMMANDS if commands is None else commands)
+        # a Unix socket's path must stay short: a private folder under /tmp
+        self.folder = Path(tempfile.mkdtemp(prefix="pflower-fork-", dir="/tmp"))
+        self.socket_path = self.folder / "socket"
+        self.bin_dir = self.folder / "bin"
+        self.log = self.folder / "forkserver.log"
+        self.process: subprocess.Popen | None = None
+
+    def env(self) -> dict[str, str]:
+        """What a launcher adds to the environment of the processes that start COMMANDS:
+        the socket, and ``bin_dir`` as the ``PATH`` entry to put first."""
+        return {SOCKET_ENV: str(self.socket_path), "PATH": str(self.bin_dir)}
+
+    def __enter__(self) -> ForkServer:
+        real_bin = Path(sys.executable).parent
+        self.bin_dir.mkdir()
+        for command in self.commands:
+            shim = self.bin_dir / command
+            shim.write_text(SHIM.format(python=sys.executable, real=str(real_bin / command),
+                                        socket_env=SOCKET_ENV, command=command))
+            shim.chmod(0o755)
+        root = str(Path(__file__).resolve().parents[1])
+        env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+        env["FLWR_TELEMETRY_ENABLED"] = "0"  # read once, at import (as the launchers set it)
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "launch.forkserver", str(self.socket_path),
+                 json.dumps(self.commands)],
+                stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        ready = self.process.stdout.read(len(READY))
+        if ready != READY:
+            self.__exit__(None, None, None)
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
+            raise RuntimeError(f"the fork server did not start: {' '.join(tail) or 'no output'}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            # the children are in the server's process group
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, sig)
+                try:
+                    self.process.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            self.process.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def serve(socket_path: str, commands: Mapping[str, str]) -> None:
+    """The fork server: import ``PRELOAD`` and each command's entry point, then fork a child
+    for each request, in one thread (no lock another thread holds can be copied into a
+    child), until SIGTERM."""
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+    entries = {}
+    for command, target in commands.items():
+        module, _, function = target.partition(":")
+        entries[command] = getattr(importlib.import_module(module), function)
+    import torch
+
+    default_threads = torch.get_num_threads()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(socket_path)
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    sys.stdout.buffer.write(READY)
+    sys.stdout.flush()
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is listener:
+                connection, _ = listener.accept()
+                try:
+                    data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+                    request = json.loads(data)
+                    entry = entries[request["command"]]
+                except (OSError, ValueError, KeyError):
+                    connection.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    listener.close()
+                    _run_child(entry, request, fds, connection, default_threads)
+                for fd in fds:
+                    os.close(fd)
+                connection.send(str(pid).encode())
+                selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
+            else:  # a child exited: tell its shim how
+                pid, connection = key.data
+                selector.unregister(key.fileobj)
+                os.close(key.fileobj)
+                _, status = os.waitpid(pid, 0)
+                with contextlib.suppress(OSError):
+                    connection.send(str(os.waitstatus_to_exitcode(status)).encode())
+                connection.close()
+
+
+def _run_child(entry: Callable[[], object], request: dict, fds: list[int],
+               connection: socket.socket, default_threads: int) -> None:
+    """In the forked child: become the requested command's process, run its entry point,
+    exit with its status (never returns)."""
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = request["argv"]
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and p not in sys.path]
+        sys.path[1:1] = extra  # as a new process with this PYTHONPATH would have them
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _reseed(default_threads)
+        _stop_with_shim(connection)
+        entry()
+        code = 0
+    except SystemExit as leaving:
+        code = leaving.code if isinstance(leaving.code, int) else (leaving.code is not None)
+        if not isinstance(leaving.code, int | None):
+            print(leaving.code, file=sys.stderr)
+    except BaseException:  # the child's last word, as Python's own exit would print it
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        import atexit
+
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reseed(default_threads: int) -> None:
+    """What a new process would have: global generators seeded from the OS, and PyTorch's
+    thread count from OMP_NUM_THREADS (OpenMP read the server's environment at import)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed()
+    np.random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                          else default_threads)
+
+
+def _stop_with_shim(connection: socket.socket) -> None:
+    """Stop the child when its shim is gone (killed with its process group): the shim
+    never writes, so a read returns only when it has closed its end."""
+    import threading
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            connection.recv(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="shim-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,0 +1,28 @@
+"""A command for tests/test_forkserver.py to start through a fork server: it reports what
+its process sees, exits with a given status, or waits to be stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    command, *args = sys.argv[1:]
+    if command == "report":
+        import torch
+
+        print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "ppid": os.getppid(),
+                          "marker": os.environ.get("PROBE_MARKER"),
+                          "threads": torch.get_num_threads(),
+                          "path_has": [p for p in sys.path if p.endswith("probe-extra")]}))
+    elif command == "exit":
+        print("leaving", file=sys.stderr)
+        sys.exit(int(args[0]))
+    elif command == "wait":  # until a signal stops it
+        Path(args[0]).write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.1)
