@@ -29,8 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.overhead import timed_run  # noqa: E402
 from bench.report import RESULTS, write_report  # noqa: E402
-from launch.federation import LocalFederation  # noqa: E402
-from launch.ray_head import warm_federation  # noqa: E402
+from launch.federation import LocalFederation, warm_federation  # noqa: E402
 
 CELL_TIMEOUT = 1800  # seconds, as bench/evidence/cells.py gives a cell
 

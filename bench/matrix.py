@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.evidence.cells import Matrix, run, select  # noqa: E402
 from bench.evidence.protocol import ABLATIONS, COMMON, SCENARIOS, pool_file  # noqa: E402
 from bench.evidence.report import write_report  # noqa: E402
-from launch.ray_head import warm_federation  # noqa: E402
+from launch.federation import warm_federation  # noqa: E402
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from bench.evidence.cells import Matrix  # noqa: E402
 from bench.evidence.protocol import COMMON, SCENARIOS, cell_path, pool_file  # noqa: E402
 from bench.report import RESULTS, write_report  # noqa: E402
-from launch.ray_head import warm_federation  # noqa: E402
+from launch.federation import warm_federation  # noqa: E402
 
 SCENARIO = "dirichlet-0.1"
 SEED = 1

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.report import RESULTS, write_report  # noqa: E402
 from common.config import app_defaults  # noqa: E402
 from launch.compare import parse_row  # noqa: E402
-from launch.ray_head import warm_federation  # noqa: E402
+from launch.federation import warm_federation  # noqa: E402
 from launch.run_config import parse_overrides as launch_overrides  # noqa: E402
 
 MB = 1024**2

@@ -59,6 +59,17 @@ def select_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+def use_thread_budget() -> None:
+    """PyTorch's CPU threads as many as ``OMP_NUM_THREADS`` says (Ray sets it for each
+    simulated client, a deployment for each site). PyTorch takes the count from the
+    environment when it is imported; in a process that imported it before the variable was
+    set (a Ray worker that preloads PyTorch, ``launch/ray_head.py``), it would keep the
+    machine's core count, and clients sharing the cores would each run that many threads."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
+
+
 @lru_cache(maxsize=4)
 def _settings(run_config_json: str) -> RunSettings:
     """The run's settings, parsed and checked once per process (the checks build the model:
@@ -122,6 +133,7 @@ class Client:
                               "(simulation sets them; on a SuperNode use --node-config)")
         partition_id = int(node[PARTITION_ID])
         client_id = str(node.get(CLIENT_ID, partition_id))
+        use_thread_budget()
         if not is_client_id(client_id):  # it names this client's personal-state files
             raise ConfigError(f"node config: client-id {client_id!r} is not a safe id "
                               f"(pattern {CLIENT_ID_PATTERN.pattern})")

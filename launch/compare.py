@@ -44,8 +44,7 @@ from launch.comparison import (
     run_figures,
     summarize_run,
 )
-from launch.federation import LocalFederation
-from launch.ray_head import warm_federation
+from launch.federation import LocalFederation, warm_federation
 from launch.run_config import check_run_config, parse_overrides
 
 APP_ROOT = Path(__file__).resolve().parents[1]

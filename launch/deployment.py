@@ -27,8 +27,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from launch.federation import FlowerRun, LocalFederation, free_port
+from launch.federation import FlowerRun, LocalFederation
 from launch.forkserver import ForkServer
+from launch.processes import free_port
 from launch.run_config import check_run_config
 
 

@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,7 +32,7 @@ import threading
 import time
 import tomllib
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +41,16 @@ import tomli_w
 
 from common.config import ConfigError, app_defaults
 from launch.forkserver import ForkServer
+from launch.processes import free_port, stop_process_groups
+from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
 
-_HANDED_OUT: set[int] = set()
+STARTED_RUN = re.compile(r"Successfully started run (\d+)")
+# The ServerApp's last line of a completed run (server_app/results.py): the run's work is done
+RESULTS_WRITTEN = "[final] results written to"
+SUPEREXEC_POLL_SECONDS = 0.1
+STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
+STREAM_GRACE_SECONDS = 0.3  # after it has finished, for its last lines to arrive
 # Flower's words before the ServerApp's exception in a failed run's status details
 FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
 # Lines Flower 1.41 prints for every simulation that do not hold for ours (its size is set
@@ -55,87 +60,8 @@ FLOWER_NOISE = ("default simulated SuperNodes changed from 10 to 2",
                 "flwr federation simulation-config @none/default <superlink>")
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port to give a server we start, free now and below the kernel's ephemeral range:
-    a port taken from that range (``bind(0)``) is released before our server binds it, and
-    Flower's own processes (a SuperLink's runtime API, a SuperExec) bind ephemeral ports in
-    the meantime; one of them once took a SuperNode's port, which then could not start."""
-    rng = random.SystemRandom()
-    low = _ephemeral_low()
-    for _ in range(200):
-        # above 20,000: Ray gives its workers ports 10,002-19,999
-        port = rng.randrange(20_000, low) if low > 21_000 else 0
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = sock.getsockname()[1]
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError("no free port found below the ephemeral range")
-
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def descendant_groups(pid: int) -> set[int]:
-    """The process groups of ``pid``'s descendants (Linux ``/proc``; empty elsewhere).
-
-    The SuperExec that the SuperLink starts opens a session of its own, and the
-    ``flwr-simulation`` and Ray processes it starts live in it: stopping the SuperLink's group
-    alone leaves them running a run that was interrupted."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append((int(stat.parent.name), int(fields[2])))
-    groups, todo = set(), [pid]
-    while todo:
-        for child, group in children.get(todo.pop(), []):
-            groups.add(group)
-            todo.append(child)
-    return groups
-
-
-def stop_process_groups(process: subprocess.Popen, term_wait: float) -> None:
-    """Stop ``process`` and every process it started, each in its process group: SIGTERM,
-    up to ``term_wait`` seconds for ``process`` to exit, then SIGKILL to any group left."""
-    groups = ({process.pid} | descendant_groups(process.pid)) - {os.getpgrp()}
-    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, 5)):
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, sig)
-        try:
-            process.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-        time.sleep(1)  # the other groups' processes exit on SIGTERM within this
-        groups = {g for g in groups if _group_alive(g)}
-        if not groups:
-            break
 
 
 def bundle_files(app_dir: str | Path, into: Path) -> Path:
@@ -162,7 +88,7 @@ def bundle_files(app_dir: str | Path, into: Path) -> Path:
 class FlowerRun:
     """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
 
-    returncode: int
+    returncode: int  # flwr run's; 0 where the launcher ended its log stream (the run had ended)
     output: str
     run_id: str | None
     status: str  # e.g. "finished:completed", "finished:failed"; "" if the run never started
@@ -178,8 +104,12 @@ class LocalFederation:
 
     def __init__(self, home: str | Path | None = None, ray_address: str | None = None,
                  pythonpath: Sequence[str | Path] = (),
-                 forkserver: ForkServer | None = None) -> None:
-        self.ray_address = ray_address
+                 forkserver: ForkServer | None = None, ray_head: RayHead | None = None
+                 ) -> None:
+        # runs join a Ray head of ours (primed for the next run after each), or the cluster
+        # at ray_address, or start a private Ray instance each
+        self.ray_head = ray_head
+        self.ray_address = ray_head.address if ray_head is not None else ray_address
         # Flower's flwr-simulation (and a SuperNode's flwr-clientapp) forked warm from it
         self.forkserver = forkserver
         # folders the app's processes import from besides the app (a user's model module):
@@ -211,7 +141,10 @@ class LocalFederation:
                 "FLWR_DISABLE_UPDATE_CHECK": "1",
                 "FLWR_TELEMETRY_ENABLED": "0",
                 "RAY_DEDUP_LOGS": "0",
-                "PYTHONUNBUFFERED": "1"}
+                "PYTHONUNBUFFERED": "1",
+                # how soon the SuperLink's SuperExec starts a submitted run's process
+                # (Flower's default: within 1 s); a deployment sets its own
+                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(SUPEREXEC_POLL_SECONDS)}
 
     def __enter__(self) -> LocalFederation:
         if threading.current_thread() is threading.main_thread():
@@ -284,32 +217,60 @@ class LocalFederation:
             overrides.write_text(tomli_w.dumps(run_config))
             command += ["--run-config", str(overrides)]
         lines: list[str] = []
+        run_ids: list[str] = []
+        primed = threading.Event()
+
+        def read(stream: Any) -> None:
+            for line in stream:  # stream the progress lines as they come
+                lines.append(line)
+                if echo and not any(noise in line for noise in FLOWER_NOISE):
+                    print(line, end="", flush=True)
+                if not run_ids and (found := STARTED_RUN.search(line)):
+                    run_ids.append(found.group(1))
+                if RESULTS_WRITTEN in line:
+                    self._prime(primed)
+
+        ended_by_us = False
         with subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) as process:
-            watchdog = threading.Timer(timeout, process.kill)
-            watchdog.start()
+            reader = threading.Thread(target=read, args=(process.stdout,), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + timeout
             try:
-                for line in process.stdout:  # stream the progress lines as they come
-                    lines.append(line)
-                    if echo and not any(noise in line for noise in FLOWER_NOISE):
-                        print(line, end="", flush=True)
-            except BaseException:
-                process.kill()  # interrupted (SIGTERM, Ctrl-C): do not wait for the run's end
-                raise
-            finally:
-                watchdog.cancel()
-            returncode = process.wait()
+                with self.control_client() as control:
+                    while reader.is_alive() and time.monotonic() < deadline:
+                        reader.join(STATUS_POLL_SECONDS)
+                        if not reader.is_alive():
+                            break
+                        # Flower's CLI ends its stream a second or two after the SuperLink
+                        # has recorded the run's end
+                        if run_ids and _status(control, run_ids[0]).startswith("finished"):
+                            reader.join(STREAM_GRACE_SECONDS)  # the last lines on their way
+                            ended_by_us = reader.is_alive()
+                            break
+            finally:  # finished, past its timeout, or interrupted (SIGTERM, Ctrl-C)
+                if process.poll() is None:
+                    process.kill()
+                reader.join()
+            returncode = 0 if ended_by_us else process.wait()
         if staged != Path(app_dir):
             shutil.rmtree(staged, ignore_errors=True)
+        self._prime(primed)
         output = "".join(lines)
-        found = re.search(r"Successfully started run (\d+)", output)
-        run_id = found.group(1) if found else None
+        run_id = run_ids[0] if run_ids else None
         runs = self.runs(run_id) if run_id is not None else []
         if not runs:
             return FlowerRun(returncode, output, run_id, "")
         status = runs[0]["status"]
         details = runs[0].get("status-details", "") if status != "finished:completed" else ""
         return FlowerRun(returncode, output, run_id, status, FAILED_WITH.sub("", details))
+
+    def _prime(self, primed: threading.Event) -> None:
+        """Have the Ray head start the next run's workers (once a run, in the background):
+        as soon as the ServerApp has written its results, while Flower winds the run down."""
+        if self.ray_head is not None and not primed.is_set():
+            primed.set()
+            threading.Thread(target=self.ray_head.prime, daemon=True).start()
 
     def control_client(self) -> Any:
         """The SuperLink's Control API, reached as ``flwr`` reaches it: through the default
@@ -335,23 +296,8 @@ class LocalFederation:
         """Every run the SuperLink knows, or just ``run_id`` (none if it does not know it):
         ``flwr ls --format json``'s entries, each a dict with ``run-id``, ``status`` (e.g.
         ``finished:completed``) and ``status-details``."""
-        import httpx
-        from flwr.cli.run_utils import format_runs
-        from flwr.common.serde import run_from_proto
-        from flwr.proto.control_pb2 import ListRunsRequest
-
-        request = ListRunsRequest(run_id=int(run_id)) if run_id is not None else ListRunsRequest()
-        try:
-            with self.control_client() as control:
-                listed = control.ListRuns(request)
-        except httpx.HTTPStatusError as error:
-            if error.response.status_code == 404:  # the SuperLink does not know run_id
-                return []
-            raise
-        rows = format_runs([run_from_proto(run) for run in listed.run_dict.values()],
-                           listed.now)
-        return [{"run-id": str(row.run_id), "status": row.status_text,
-                 "status-details": row.details} for row in rows]
+        with self.control_client() as control:
+            return _list_runs(control, run_id)
 
     def stop(self, run_id: str) -> None:
         """What ``flwr stop RUN_ID`` asks: the SuperLink stops the run's ServerApp."""
@@ -359,6 +305,78 @@ class LocalFederation:
 
         with self.control_client() as control:
             control.StopRun(StopRunRequest(run_id=int(run_id)))
+
+
+def _list_runs(control: Any, run_id: str | None) -> list[dict[str, str]]:
+    """``runs`` through an open Control API client."""
+    import httpx
+    from flwr.cli.run_utils import format_runs
+    from flwr.common.serde import run_from_proto
+    from flwr.proto.control_pb2 import ListRunsRequest
+
+    request = ListRunsRequest(run_id=int(run_id)) if run_id is not None else ListRunsRequest()
+    try:
+        listed = control.ListRuns(request)
+    except httpx.HTTPStatusError as error:
+        if error.response.status_code == 404:  # the SuperLink does not know run_id
+            return []
+        raise
+    rows = format_runs([run_from_proto(run) for run in listed.run_dict.values()], listed.now)
+    return [{"run-id": str(row.run_id), "status": row.status_text,
+             "status-details": row.details} for row in rows]
+
+
+def _status(control: Any, run_id: str) -> str:
+    """The run's status (e.g. ``running``, ``finished:completed``); "" if not known."""
+    runs = _list_runs(control, run_id)
+    return runs[0]["status"] if runs else ""
+
+
+@contextlib.contextmanager
+def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServer | None = None,
+                    ray_address: str | None = None) -> Iterator[LocalFederation]:
+    """A private SuperLink whose runs join one Ray cluster kept up between them (a Ray head of
+    its own, or the one at ``ray_address``), their ``flwr-simulation`` processes forked from a
+    fork server (``forkserver``, or one of its own): one run after another skips Ray's start
+    and Flower's imports (warm runs). The fork server and the Ray head start in threads
+    while the SuperLink starts; what it started is stopped on exit. ``pythonpath``: as for
+    ``LocalFederation``.
+
+    Not for one run: there a Ray head's start and stop cost more than the private Ray
+    instance Flower starts inside the run, and the fork server's imports, on 2 busy cores,
+    as much as those it saves (measured on the demo: no faster)."""
+    with contextlib.ExitStack() as started:
+        helpers = [forkserver or ForkServer(),
+                   RayHead() if ray_address is None else None]
+        forks, head = helpers
+        federation = LocalFederation(ray_address=ray_address, ray_head=head,
+                                     pythonpath=pythonpath, forkserver=forks)
+        starting = [helper for helper in helpers if helper is not None
+                    and helper is not forkserver]
+        entered: list[ForkServer | RayHead] = []
+        failures: list[BaseException] = []
+
+        def enter(helper: ForkServer | RayHead) -> None:
+            try:
+                helper.__enter__()
+                entered.append(helper)
+            except BaseException as error:  # raised below, in the caller's thread
+                failures.append(error)
+
+        threads = [threading.Thread(target=enter, args=(helper,)) for helper in starting]
+        for thread in threads:
+            thread.start()
+        try:
+            federation.__enter__()
+        finally:
+            for thread in threads:
+                thread.join()
+            for helper in entered:  # stopped after the SuperLink, as they were started
+                started.push(helper)
+        started.push(federation)
+        if failures:
+            raise failures[0]
+        yield federation
 
 
 def main() -> None:

@@ -4,36 +4,35 @@ Without it every simulation's ``flwr-simulation`` process starts a private Ray i
 shuts it down at the end. Started once (``ray start --head --block`` on a free port, in a
 short private temp folder) and handed to ``LocalFederation(ray_address=head.address)``, the
 runs join it instead (Flower's existing-cluster path, docs/scaling.md); their actors are
-still their own (a run's Ray job ends with it).
-
-    with warm_federation() as federation:  # RayHead() + LocalFederation(ray_address=...)
-        for config in configs:
-            federation.run(".", config)
+still their own (a run's Ray job ends with it). ``launch.federation.warm_federation`` pairs it
+with a SuperLink and a fork server.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from launch.federation import LocalFederation, free_port, stop_process_groups
-from launch.forkserver import ForkServer
+from launch.processes import free_port, stop_process_groups
 
 STARTED = "Ray runtime started."
+# What each of the head's Python workers imports when it starts: Flower's simulation actor
+# and PyTorch, which each actor would otherwise import when its run needs it
+WORKER_PRELOAD = "torch,flwr.clientapp,flwr.simulation.ray_transport.ray_actor"
+PRIMED_FOR_SECONDS = 300  # how long primed workers wait for a run before Ray may stop them
 WARM_UP = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
            "ray.get(ray.remote(lambda: 0).remote()); ray.shutdown()")
 
 
 class RayHead:
     """``ray start --head --block`` on a free port (context manager); stopped, with every
-    process it started, on exit."""
+    process it started, on exit. Its workers import ``WORKER_PRELOAD`` as they start, and
+    ``prime`` starts the next run's workers ahead of it."""
 
     def __init__(self, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
         self.port = free_port()
@@ -58,7 +57,8 @@ class RayHead:
                  "--include-dashboard=false", "--disable-usage-stats",
                  f"--temp-dir={self.temp_dir}", *resources, "--block"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+                     "RAY_preload_python_modules": WORKER_PRELOAD})
         deadline = time.monotonic() + 120
         while STARTED not in self.log.read_text(errors="replace"):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -79,6 +79,41 @@ class RayHead:
                                f"{driver_failure(error)}") from None
         return self
 
+    def prime(self) -> None:
+        """Start one idle worker per CPU, in the background, for a run like the last one.
+
+        Flower's simulation gives its Ray job a runtime environment (the ServerApp's
+        ``PYTHONPATH``), so its actors cannot take the head's ordinary idle workers: each run
+        started its own and waited for them to import Flower and PyTorch (3-4 s of a warm run
+        on 2 cores). The next run of the same app has the same environment; workers started
+        for it now are ready when its actors are created. Asked of the head's raylet
+        (``PrestartWorkers``); a head that cannot be asked runs as before."""
+        import grpc
+        from ray._raylet import GcsClient
+        from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+        from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
+
+        try:
+            gcs = GcsClient(address=self.address)
+            jobs = [job for job in gcs.get_all_job_info().values()
+                    if job.config.runtime_env_info.serialized_runtime_env not in ("", "{}")]
+            if not jobs:
+                return
+            last = max(jobs, key=lambda job: job.start_time)
+            node = next(iter(gcs.get_all_node_info().values()))
+            with grpc.insecure_channel(
+                    f"{node.node_manager_address}:{node.node_manager_port}") as channel:
+                node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
+                    node_manager_pb2.PrestartWorkersRequest(
+                        language=common_pb2.PYTHON,
+                        runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=(
+                            last.config.runtime_env_info.serialized_runtime_env)),
+                        keep_alive_duration_secs=PRIMED_FOR_SECONDS,
+                        num_workers=int(node.resources_total.get("CPU", 1))), timeout=10)
+        except Exception as error:  # priming only saves time: it never fails a run
+            with self.log.open("a") as log:
+                log.write(f"priming the next run's workers failed: {error!r}\n")
+
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
             # --block: on SIGTERM `ray start` stops its node's processes
@@ -93,17 +128,3 @@ def driver_failure(error: subprocess.CalledProcessError | subprocess.TimeoutExpi
     lines = [line for line in str(error.stderr or "").splitlines() if line.strip()]
     reasons = [line[line.find("Check failed"):] for line in lines if "Check failed" in line]
     return (reasons or lines or [f"exit status {error.returncode}"])[-1][:300]
-
-
-@contextlib.contextmanager
-def warm_federation(pythonpath: Sequence[str | Path] = (),
-                    forkserver: ForkServer | None = None) -> Iterator[LocalFederation]:
-    """A private SuperLink whose runs join one Ray head kept up between them, their
-    ``flwr-simulation`` processes forked from a fork server (``forkserver``, or one of its
-    own), so that one run after another skips Ray's start and Flower's imports (warm runs);
-    what it started is stopped on exit. ``pythonpath``: as for ``LocalFederation``."""
-    with contextlib.ExitStack() as started:
-        forks = forkserver or started.enter_context(ForkServer())
-        head = started.enter_context(RayHead())
-        yield started.enter_context(LocalFederation(
-            ray_address=head.address, pythonpath=pythonpath, forkserver=forks))

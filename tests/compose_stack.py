@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launch.federation import FlowerRun, LocalFederation, free_port
+from launch.federation import FlowerRun, LocalFederation
+from launch.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 UP = str(ROOT / "deploy" / "up.sh")

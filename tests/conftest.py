@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from common.config import app_defaults, app_packages
-from launch.federation import FlowerRun, LocalFederation
+from launch.federation import FlowerRun, LocalFederation, warm_federation
 from launch.forkserver import ForkServer
-from launch.ray_head import warm_federation
 from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest hook)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from launch.deployment import LocalDeployment, namespaces_available
-from launch.federation import free_port
+from launch.processes import free_port
 from server_app.rounds import load_checkpoint
 from tests.conftest import copy_app, read_results, run_in_background, wait_for
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.federation import _ephemeral_low, descendant_groups, free_port
+from launch.processes import _ephemeral_low, descendant_groups, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -195,7 +195,8 @@ def _running_processes() -> list[str]:
 
 
 def _inside(work: Path, out: Path) -> int:
-    from launch.federation import LocalFederation, free_port
+    from launch.federation import LocalFederation
+    from launch.processes import free_port
 
     started = time.monotonic()
     report: dict[str, Any] = {"phases": {}}

@@ -1,0 +1,88 @@
+"""Warm runs (``launch.federation.warm_federation``): the Ray head's workers import PyTorch and
+Flower's actor as they start, and after each run it starts the next run's workers (``prime``),
+which that run's actors then take; a ClientApp in a process that imported PyTorch early
+still keeps to its thread budget. That a warm run gives a cold run's results:
+``tests/test_simulation.py``; the fork server: ``tests/test_forkserver.py``."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from client_app.runtime import use_thread_budget
+from tests.conftest import ROOT
+
+SMALL = {"method": "fedavg", "num-server-rounds": 1, "local-epochs": 1, "plot": False}
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _primed_workers(head) -> set[int]:
+    """The head's idle workers started for a run's job (its PYTHONPATH names the installed
+    app) with PyTorch already imported."""
+    primed = set()
+    for pid in _descendants(head.process.pid):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        if (title.startswith(b"ray::IDLE") and b"/apps/" in environ
+                and "libtorch" in maps):
+            primed.add(pid)
+    return primed
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(federation,
+                                                                            tmp_path):
+    head = federation.ray_head
+    first = federation.run(ROOT, {**SMALL, "output-dir": str(tmp_path / "a")},
+                           num_supernodes=2)
+    assert first.ok, first.output[-3000:]
+    deadline, primed = time.monotonic() + 60, set()
+    while time.monotonic() < deadline and len(primed) < (os.cpu_count() or 1):
+        time.sleep(0.5)
+        primed = _primed_workers(head)
+    assert len(primed) == os.cpu_count(), primed   # one per CPU, PyTorch imported
+    second = federation.run(ROOT, {**SMALL, "output-dir": str(tmp_path / "b")},
+                            num_supernodes=2)
+    assert second.ok, second.output[-3000:]
+    # kept alive for minutes unless taken: gone, because the run's actors took them (an
+    # actor's worker ends with its run)
+    assert not primed & _descendants(head.process.pid)
+
+
+def test_a_client_keeps_to_its_thread_budget_in_a_process_that_imported_pytorch_first(
+        monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)   # as a worker that imported PyTorch with no budget set
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # then given one CPU (Ray sets this)
+        use_thread_budget()
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "")
+        use_thread_budget()                          # no budget: left as it is
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
