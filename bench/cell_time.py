@@ -8,8 +8,9 @@ touched):
 
 - cold: its own SuperLink and a private Ray instance started and stopped with the run, as
   each cell ran before ``launch/ray_head.py``;
-- warm: on one SuperLink and one Ray head kept up between the runs (``warm_federation``, as
-  ``bench/matrix.py`` runs them); a first warm run, left out, starts the head's workers.
+- warm: as ``bench/matrix.py`` runs them (``launch.federation.warm_federation``: one
+  SuperLink, Ray head and fork server kept up between the runs, each run's Ray workers
+  started during the run before); a first warm run, left out, starts the head's workers.
 
 Per cell: wall seconds of each, the sum of its rounds' seconds (``results.json``) and the
 fixed cost, wall minus rounds. Both runs of a cell must give the same accuracy (same seed).

@@ -8,9 +8,9 @@ FedAvg on digits. Three ways to run the same rounds, each ``--repeats`` times, m
   evaluation in one process, state dicts averaged in-process, no Flower at all;
 - cold: ``bash scripts/demo.sh`` as a user types it (SUPERNODES set): environment check,
   a private SuperLink started and stopped, a private Ray instance inside the run;
-- warm: runs one after another on one SuperLink and one Ray head kept up between them
-  (``launch/ray_head.py``, as the test session runs them); the first warm run after the
-  head starts is left out.
+- warm: runs one after another as the test session and the benchmarks run them
+  (``launch.federation.warm_federation``: one SuperLink, Ray head and fork server kept up,
+  the next run's Ray workers started early); the first warm run is left out.
 
 A run's fixed cost is its wall time minus the sum of its rounds' seconds (``results.json``).
 Writes ``bench/results/overhead.md``.
@@ -137,7 +137,8 @@ def main() -> None:
     bare_rounds = median(r for _, r in bare)
     rows = []
     for name, runs in (("bare PyTorch loop", bare), ("cold: `bash scripts/demo.sh`", cold),
-                       ("warm: kept SuperLink and Ray head", warm)):
+                       ("warm: `warm_federation` (kept SuperLink, Ray head, fork server; "
+                        "primed workers)", warm)):
         wall, rounds = median(w for w, _ in runs), median(r for _, r in runs)
         fixed = median(w - r for w, r in runs)
         rows.append(f"| {name} | {wall:.1f} s | {rounds:.1f} s | {fixed:.1f} s | "

@@ -69,7 +69,8 @@ def main() -> None:
     body = (f"Scenario {SCENARIO}, seed {SEED}, the stored report cell of each row. "
             "Identical: the per-round accuracy and uplink and the final ones are equal to the "
             "last bit.\n\n" + "\n".join(lines) + "\n")
-    write_report("reproduce", "Stored matrix cells re-run", "python bench/reproduce.py", body)
+    command = "python bench/reproduce.py" + (f" --only {args.only}" if args.only else "")
+    write_report("reproduce", "Stored matrix cells re-run", command, body)
 
 
 if __name__ == "__main__":
