@@ -50,7 +50,7 @@ STARTED_RUN = re.compile(r"Successfully started run (\d+)")
 RESULTS_WRITTEN = "[final] results written to"
 SUPEREXEC_POLL_SECONDS = 0.1
 STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
-STREAM_GRACE_SECONDS = 0.3  # after it has finished, for its last lines to arrive
+STREAM_GRACE_SECONDS = 1.0  # after it has finished, for its last lines (streamed each 0.5 s)
 # Flower's words before the ServerApp's exception in a failed run's status details
 FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
 # Lines Flower 1.41 prints for every simulation that do not hold for ours (its size is set
@@ -108,6 +108,8 @@ class LocalFederation:
                  ) -> None:
         # runs join a Ray head of ours (primed for the next run after each), or the cluster
         # at ray_address, or start a private Ray instance each
+        if ray_head is not None and ray_address is not None:
+            raise ValueError("ray_head or ray_address, not both")
         self.ray_head = ray_head
         self.ray_address = ray_head.address if ray_head is not None else ray_address
         # Flower's flwr-simulation (and a SuperNode's flwr-clientapp) forked warm from it
@@ -242,9 +244,9 @@ class LocalFederation:
                         reader.join(STATUS_POLL_SECONDS)
                         if not reader.is_alive():
                             break
-                        # Flower's CLI ends its stream a second or two after the SuperLink
-                        # has recorded the run's end
-                        if run_ids and _status(control, run_ids[0]).startswith("finished"):
+                        # Flower's CLI takes a second or two after the SuperLink has
+                        # recorded the run's end to end its stream and exit
+                        if run_ids and _finished(control, run_ids[0]):
                             reader.join(STREAM_GRACE_SECONDS)  # the last lines on their way
                             ended_by_us = reader.is_alive()
                             break
@@ -326,10 +328,16 @@ def _list_runs(control: Any, run_id: str | None) -> list[dict[str, str]]:
              "status-details": row.details} for row in rows]
 
 
-def _status(control: Any, run_id: str) -> str:
-    """The run's status (e.g. ``running``, ``finished:completed``); "" if not known."""
-    runs = _list_runs(control, run_id)
-    return runs[0]["status"] if runs else ""
+def _finished(control: Any, run_id: str) -> bool:
+    """Whether the SuperLink has recorded the run's end; a question it cannot answer now
+    (busy, a dropped connection) is asked again at the next poll."""
+    import httpx
+
+    try:
+        runs = _list_runs(control, run_id)
+    except (httpx.HTTPError, OSError):
+        return False
+    return bool(runs) and runs[0]["status"].startswith("finished")
 
 
 @contextlib.contextmanager

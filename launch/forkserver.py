@@ -7,8 +7,8 @@ of CPU importing Flower, PyTorch and Ray before doing 0.05-0.5 s of work. Flower
 commands on ``PATH``, so a launcher that puts ``ForkServer.bin_dir`` first on the ``PATH`` of
 the SuperLink or SuperNode it starts gets them from here:
 
-- the fork server (``python -m launch.forkserver SOCKET``) imports the modules both commands
-  need once, then waits on a Unix socket;
+- the fork server (``python -P launch/forkserver.py SOCKET COMMANDS``) imports the modules
+  both commands need once, then waits on a Unix socket;
 - each command on ``bin_dir`` is a small shim (stdlib only, ~0.04 s) that hands the server
   its arguments, environment, working folder and standard streams; the server forks a child
   that takes them over and calls the same Flower entry point the real command calls;
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -35,8 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 # The commands a fork server starts (their console-script entry points, as Flower's package
@@ -46,6 +46,11 @@ COMMANDS = {"flwr-simulation": "flwr.simulation.app:flwr_simulation",
 PRELOAD = ("torch", "numpy", "ray", "flwr.serverapp", "flwr.clientapp")
 SOCKET_ENV = "PFLOWER_FORKSERVER"
 READY = b"ready"
+START_TIMEOUT_SECONDS = 300  # for the server's imports, on a busy machine
+# Read once, when Flower and Ray are imported: the server is given the values the launchers
+# give the processes they start (launch/federation.py)
+IMPORT_TIME_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0",
+                   "PYTHONUNBUFFERED": "1"}
 
 # The shim, filled in per command; stdlib only and run with -IS, so that it starts in
 # ~0.04 s. Its protocol: one request (JSON + the three standard streams), then the child's
@@ -74,19 +79,23 @@ for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
 reply = sock.recv(64)
 status = int(reply) if reply else 1
 if status < 0:
-    signal.signal(-status, signal.SIG_DFL)
+    if -status != signal.SIGKILL:
+        signal.signal(-status, signal.SIG_DFL)
     os.kill(os.getpid(), -status)
 sys.exit(status)
 '''
 
 
 class ForkServer:
-    """A fork server for ``commands`` (name: ``module:function``, default ``COMMANDS``) and
-    their shims in ``bin_dir`` (context manager); stopped, with every child it forked, on
-    exit."""
+    """A fork server for ``commands`` (name: ``module:function``, default ``COMMANDS``;
+    ``import_path``: where to import other ones from) and their shims in ``bin_dir``
+    (context manager); stopped, with every child it forked, on exit."""
 
-    def __init__(self, commands: Mapping[str, str] | None = None) -> None:
+    def __init__(self, commands: Mapping[str, str] | None = None,
+                 import_path: Sequence[str | Path] = ()) -> None:
         self.commands = dict(COMMANDS if commands is None else commands)
+        # folders the server imports commands from (not passed on to its children)
+        self.import_path = [str(Path(folder).resolve()) for folder in import_path]
         # a Unix socket's path must stay short: a private folder under /tmp
         self.folder = Path(tempfile.mkdtemp(prefix="pflower-fork-", dir="/tmp"))
         self.socket_path = self.folder / "socket"
@@ -107,16 +116,19 @@ class ForkServer:
             shim.write_text(SHIM.format(python=sys.executable, real=str(real_bin / command),
                                         socket_env=SOCKET_ENV, command=command))
             shim.chmod(0o755)
-        root = str(Path(__file__).resolve().parents[1])
         env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-        env["FLWR_TELEMETRY_ENABLED"] = "0"  # read once, at import (as the launchers set it)
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        env.update(IMPORT_TIME_ENV)
+        env["PYTHONPATH"] = os.pathsep.join([*self.import_path, *_pythonpath(env)])
         with self.log.open("wb") as log:
+            # -P and the file's path: neither the launcher's folder nor the repository is on
+            # the server's import path, so that a child imports what the real command would
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "launch.forkserver", str(self.socket_path),
+                [sys.executable, "-P", str(Path(__file__).resolve()), str(self.socket_path),
                  json.dumps(self.commands)],
-                stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
-        ready = self.process.stdout.read(len(READY))
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                start_new_session=True)
+        ready = self.process.stdout.read(len(READY)) if _readable(
+            self.process.stdout, START_TIMEOUT_SECONDS) else b""
         if ready != READY:
             self.__exit__(None, None, None)
             tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
@@ -124,24 +136,25 @@ class ForkServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # here, not at the top: the server runs this file with no package on its path
+        from launch.processes import stop_process_groups
+
         if self.process is not None:
-            # the children are in the server's process group
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, sig)
-                try:
-                    self.process.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            self.process.stdout.close()
+            stop_process_groups(self.process, 10)  # the server and any child still running
+            for pipe in (self.process.stdin, self.process.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _readable(pipe: object, timeout: float) -> bool:
+    return bool(select.select([pipe], [], [], timeout)[0])
 
 
 def serve(socket_path: str, commands: Mapping[str, str]) -> None:
     """The fork server: import ``PRELOAD`` and each command's entry point, then fork a child
     for each request, in one thread (no lock another thread holds can be copied into a
-    child), until SIGTERM."""
+    child), until SIGTERM or until its launcher is gone (its stdin closes)."""
     import importlib
 
     for module in PRELOAD:
@@ -153,33 +166,22 @@ def serve(socket_path: str, commands: Mapping[str, str]) -> None:
     import torch
 
     default_threads = torch.get_num_threads()
+    # what a new process's path would hold besides its script's folder and PYTHONPATH
+    base_path = [p for p in sys.path if p not in _pythonpath(os.environ)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     listener.listen(64)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
+    selector.register(sys.stdin, selectors.EVENT_READ)
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
     while True:
         for key, _ in selector.select():
+            if key.fileobj is sys.stdin:
+                return  # the launcher is gone; the children stop with their shims
             if key.fileobj is listener:
-                connection, _ = listener.accept()
-                try:
-                    data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-                    request = json.loads(data)
-                    entry = entries[request["command"]]
-                except (OSError, ValueError, KeyError):
-                    connection.close()
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    selector.close()
-                    listener.close()
-                    _run_child(entry, request, fds, connection, default_threads)
-                for fd in fds:
-                    os.close(fd)
-                connection.send(str(pid).encode())
-                selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
+                _fork_for(listener, selector, entries, base_path, default_threads)
             else:  # a child exited: tell its shim how
                 pid, connection = key.data
                 selector.unregister(key.fileobj)
@@ -190,8 +192,51 @@ def serve(socket_path: str, commands: Mapping[str, str]) -> None:
                 connection.close()
 
 
+def _fork_for(listener: socket.socket, selector: selectors.BaseSelector,
+              entries: Mapping[str, Callable[[], object]], base_path: list[str],
+              default_threads: int) -> None:
+    """Take one request and fork its child; a request that cannot be served (malformed,
+    its shim already gone, no process to be had) is dropped, and the server goes on."""
+    connection, _ = listener.accept()
+    fds: list[int] = []
+    try:
+        data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        request = json.loads(data)
+        entry = entries[request["command"]]
+        pid = os.fork()
+        if pid == 0:
+            _close_inherited(selector, connection)
+            _run_child(entry, request, fds, connection, base_path, default_threads)
+        # watched before the shim hears of it: a child is reaped even if its shim is gone
+        selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
+        connection.send(str(pid).encode())
+    except (OSError, ValueError, KeyError, TypeError):
+        if not any(key.data and key.data[1] is connection
+                   for key in selector.get_map().values()):
+            connection.close()
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _close_inherited(selector: selectors.BaseSelector, keep: socket.socket) -> None:
+    """In a child: close the server's listener, pidfds and other shims' connections."""
+    for key in list(selector.get_map().values()):
+        if key.fileobj is sys.stdin:
+            continue
+        if key.data:
+            key.data[1].close()
+            os.close(key.fileobj)
+        else:
+            key.fileobj.close()
+    selector.close()
+    del keep  # the child's own connection stays open: it watches its shim through it
+
+
 def _run_child(entry: Callable[[], object], request: dict, fds: list[int],
-               connection: socket.socket, default_threads: int) -> None:
+               connection: socket.socket, base_path: list[str], default_threads: int
+               ) -> None:
     """In the forked child: become the requested command's process, run its entry point,
     exit with its status (never returns)."""
     code = 1
@@ -203,9 +248,10 @@ def _run_child(entry: Callable[[], object], request: dict, fds: list[int],
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = request["argv"]
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                 if p and p not in sys.path]
-        sys.path[1:1] = extra  # as a new process with this PYTHONPATH would have them
+        # as the real command's process has it: its script's folder, PYTHONPATH, the rest
+        sys.path[:] = [str(Path(sys.executable).parent), *_pythonpath(os.environ),
+                       *base_path]
+        _name_process(Path(sys.argv[0]).name)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _reseed(default_threads)
         _stop_with_shim(connection)
@@ -246,18 +292,29 @@ def _reseed(default_threads: int) -> None:
 
 
 def _stop_with_shim(connection: socket.socket) -> None:
-    """Stop the child when its shim is gone (killed with its process group): the shim
-    never writes, so a read returns only when it has closed its end."""
+    """Kill the child when its shim is gone. The shim never writes, so a read returns only
+    when its end closed; a shim sent a catchable signal forwards it and waits for the
+    child, so one gone first was killed (SIGKILL of its process group: a crash)."""
     import threading
 
     def watch() -> None:
         with contextlib.suppress(OSError):
             connection.recv(1)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(10)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="shim-watch", daemon=True).start()
+
+
+def _pythonpath(env: Mapping[str, str]) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _name_process(name: str) -> None:
+    """The child's process name (``ps``, ``pgrep``): the command's, not the server's."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 
 Without it every simulation's ``flwr-simulation`` process starts a private Ray instance and
 shuts it down at the end. Started once (``ray start --head --block`` on a free port, in a
-short private temp folder) and handed to ``LocalFederation(ray_address=head.address)``, the
-runs join it instead (Flower's existing-cluster path, docs/scaling.md); their actors are
-still their own (a run's Ray job ends with it). ``launch.federation.warm_federation`` pairs it
-with a SuperLink and a fork server.
+short private temp folder) and handed to ``LocalFederation(ray_head=head)``, the runs join
+it instead (Flower's existing-cluster path, docs/scaling.md) and it is primed for each next
+run; their actors are still their own (a run's Ray job ends with it).
+``launch.federation.warm_federation`` pairs it with a SuperLink and a fork server.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ STARTED = "Ray runtime started."
 # What each of the head's Python workers imports when it starts: Flower's simulation actor
 # and PyTorch, which each actor would otherwise import when its run needs it
 WORKER_PRELOAD = "torch,flwr.clientapp,flwr.simulation.ray_transport.ray_actor"
-PRIMED_FOR_SECONDS = 300  # how long primed workers wait for a run before Ray may stop them
+PRIMED_FOR_SECONDS = 60  # how long primed workers wait for a run before Ray may stop them
 WARM_UP = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
            "ray.get(ray.remote(lambda: 0).remote()); ray.shutdown()")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from importlib.metadata import entry_points
@@ -21,11 +22,13 @@ from launch.forkserver import COMMANDS, SOCKET_ENV, ForkServer
 
 pytestmark = pytest.mark.integration  # it starts Flower's own flwr-clientapp
 PROBE = "pflower-probe"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def forks():
-    with ForkServer({**COMMANDS, PROBE: "tests.forked_probe:main"}) as server:
+    with ForkServer({**COMMANDS, PROBE: "tests.forked_probe:main"},
+                    import_path=[ROOT]) as server:
         yield server
 
 
@@ -41,6 +44,19 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+def _waiting_child(forks: ForkServer, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """A shim whose forked child waits to be stopped, and the child's pid."""
+    pid_file = tmp_path / "pid"
+    shim = subprocess.Popen([PROBE, "wait", str(pid_file)], env=_env(forks))
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not pid_file.exists():
+        shim.kill()
+        pytest.fail("the forked child did not start")
+    return shim, int(pid_file.read_text())
 
 
 def test_the_commands_are_flowers_own_entry_points():
@@ -76,24 +92,14 @@ def test_exit_status_and_stderr_come_back(forks):
 
 
 def test_a_signal_to_the_shim_stops_the_child_and_the_shim_ends_by_it(forks, tmp_path):
-    pid_file = tmp_path / "pid"
-    shim = subprocess.Popen([PROBE, "wait", str(pid_file)], env=_env(forks))
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child = int(pid_file.read_text())
+    shim, child = _waiting_child(forks, tmp_path)
     shim.send_signal(signal.SIGTERM)
     assert shim.wait(30) == -signal.SIGTERM
     assert not _pid_alive(child)
 
 
 def test_a_child_whose_shim_is_killed_stops(forks, tmp_path):
-    pid_file = tmp_path / "pid"
-    shim = subprocess.Popen([PROBE, "wait", str(pid_file)], env=_env(forks))
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child = int(pid_file.read_text())
+    shim, child = _waiting_child(forks, tmp_path)
     shim.kill()                            # as stop_process_groups ends a SuperNode's group
     shim.wait(10)
     deadline = time.monotonic() + 30
@@ -107,3 +113,25 @@ def test_without_a_reachable_server_the_shim_runs_the_real_command(forks, tmp_pa
     done = subprocess.run(["flwr-clientapp", "--help"], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 0 and "usage: flwr-clientapp" in done.stdout
+
+
+def test_a_child_killed_by_sigkill_ends_its_shim_the_same_way(forks, tmp_path):
+    shim, child = _waiting_child(forks, tmp_path)
+    assert Path(f"/proc/{child}/comm").read_text().strip() == PROBE[:15]  # ps, pgrep
+    os.kill(child, signal.SIGKILL)
+    assert shim.wait(30) == -signal.SIGKILL
+
+
+def test_a_shim_gone_before_its_answer_does_not_stop_the_server(forks):
+    for _ in range(3):  # a request, then the asker vanishes before reading the child's pid
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(forks.socket_path))
+            request = {"command": PROBE, "argv": [PROBE, "exit", "0"], "cwd": "/",
+                       "env": dict(os.environ)}
+            socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(forks.socket_path))
+            sock.send(b"not a request")
+    done = subprocess.run([PROBE, "report"], capture_output=True, text=True, timeout=60,
+                          env=_env(forks))
+    assert done.returncode == 0 and json.loads(done.stdout)["ppid"] == forks.process.pid

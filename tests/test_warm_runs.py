@@ -6,7 +6,9 @@ still keeps to its thread budget. That a warm run gives a cold run's results:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +37,29 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _run_and_watch(federation, config: dict, server_pid: int) -> set[str]:
+    """Run ``config``, noting the names of the fork server's children while it runs (and
+    "ok" if it completed)."""
+    names: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for pid in _descendants(server_pid):
+                with contextlib.suppress(OSError):
+                    names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run = federation.run(ROOT, config, num_supernodes=2)
+    finally:
+        done.set()
+        watcher.join()
+    return names | ({"ok"} if run.ok else set())
+
+
 def _primed_workers(head) -> set[int]:
     """The head's idle workers started for a run's job (its PYTHONPATH names the installed
     app) with PyTorch already imported."""
@@ -56,14 +81,19 @@ def _primed_workers(head) -> set[int]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(federation,
                                                                             tmp_path):
-    head = federation.ray_head
-    first = federation.run(ROOT, {**SMALL, "output-dir": str(tmp_path / "a")},
-                           num_supernodes=2)
-    assert first.ok, first.output[-3000:]
-    deadline, primed = time.monotonic() + 60, set()
-    while time.monotonic() < deadline and len(primed) < (os.cpu_count() or 1):
+    head, forks = federation.ray_head, federation.forkserver
+    seen: set[str] = set()
+    runner = threading.Thread(target=lambda: seen.update(_run_and_watch(
+        federation, {**SMALL, "output-dir": str(tmp_path / "a")}, forks.process.pid)))
+    runner.start()
+    runner.join(600)
+    assert "ok" in seen, seen
+    assert "flwr-simulation" in seen  # the run's process was forked warm
+    deadline, primed, last = time.monotonic() + 60, set(), None
+    while time.monotonic() < deadline and (len(primed) < (os.cpu_count() or 1)
+                                           or primed != last):  # settled: the same twice
         time.sleep(0.5)
-        primed = _primed_workers(head)
+        last, primed = primed, _primed_workers(head)
     assert len(primed) == os.cpu_count(), primed   # one per CPU, PyTorch imported
     second = federation.run(ROOT, {**SMALL, "output-dir": str(tmp_path / "b")},
                             num_supernodes=2)
