@@ -167,7 +167,7 @@ def serve(socket_path: str, commands: Mapping[str, str]) -> None:
 
     default_threads = torch.get_num_threads()
     # what a new process's path would hold besides its script's folder and PYTHONPATH
-    base_path = [p for p in sys.path if p not in _pythonpath(os.environ)]
+    base_path = [p for p in sys.path if p not in _pythonpath(os.environ)]  # both absolute
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     listener.listen(64)
@@ -306,7 +306,8 @@ def _stop_with_shim(connection: socket.socket) -> None:
 
 
 def _pythonpath(env: Mapping[str, str]) -> list[str]:
-    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    """PYTHONPATH's folders, made absolute as Python makes them in ``sys.path`` at start."""
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def _name_process(name: str) -> None:
