@@ -94,13 +94,14 @@ def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(fed
                                            or primed != last):  # settled: the same twice
         time.sleep(0.5)
         last, primed = primed, _primed_workers(head)
-    assert len(primed) == os.cpu_count(), primed   # one per CPU, PyTorch imported
+    assert len(primed) >= (os.cpu_count() or 1), primed  # one per CPU, PyTorch imported
     second = federation.run(ROOT, {**SMALL, "output-dir": str(tmp_path / "b")},
                             num_supernodes=2)
     assert second.ok, second.output[-3000:]
-    # kept alive for minutes unless taken: gone, because the run's actors took them (an
-    # actor's worker ends with its run)
-    assert not primed & _descendants(head.process.pid)
+    # kept alive for a minute unless taken: gone, because the run's actors took them (an
+    # actor's worker ends with its run). Other idle workers of the session's earlier runs
+    # may serve some of its actors, so not necessarily all of these.
+    assert primed - _descendants(head.process.pid)
 
 
 def test_a_client_keeps_to_its_thread_budget_in_a_process_that_imported_pytorch_first(
