@@ -354,13 +354,13 @@ def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServe
     instance Flower starts inside the run, and the fork server's imports, on 2 busy cores,
     as much as those it saves (measured on the demo: no faster)."""
     with contextlib.ExitStack() as started:
-        helpers = [forkserver or ForkServer(),
-                   RayHead() if ray_address is None else None]
-        forks, head = helpers
+        forks = forkserver or ForkServer()
+        head = RayHead() if ray_address is None else None
         federation = LocalFederation(ray_address=ray_address, ray_head=head,
                                      pythonpath=pythonpath, forkserver=forks)
-        starting = [helper for helper in helpers if helper is not None
-                    and helper is not forkserver]
+        # started here, beside the SuperLink: the ones this call owns
+        starting = [helper for helper in (forks, head)
+                    if helper is not None and helper is not forkserver]
         entered: list[ForkServer | RayHead] = []
         failures: list[BaseException] = []
 

@@ -199,20 +199,21 @@ def _fork_for(listener: socket.socket, selector: selectors.BaseSelector,
     its shim already gone, no process to be had) is dropped, and the server goes on."""
     connection, _ = listener.accept()
     fds: list[int] = []
+    watched = False  # then the connection is closed when its child exits
     try:
         data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
         request = json.loads(data)
         entry = entries[request["command"]]
         pid = os.fork()
         if pid == 0:
-            _close_inherited(selector, connection)
+            _close_inherited(selector)
             _run_child(entry, request, fds, connection, base_path, default_threads)
         # watched before the shim hears of it: a child is reaped even if its shim is gone
         selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
+        watched = True
         connection.send(str(pid).encode())
     except (OSError, ValueError, KeyError, TypeError):
-        if not any(key.data and key.data[1] is connection
-                   for key in selector.get_map().values()):
+        if not watched:
             connection.close()
     finally:
         for fd in fds:
@@ -220,8 +221,9 @@ def _fork_for(listener: socket.socket, selector: selectors.BaseSelector,
                 os.close(fd)
 
 
-def _close_inherited(selector: selectors.BaseSelector, keep: socket.socket) -> None:
-    """In a child: close the server's listener, pidfds and other shims' connections."""
+def _close_inherited(selector: selectors.BaseSelector) -> None:
+    """In a child: close the server's listener, pidfds and other shims' connections (its
+    own is not registered yet: it stays open, to watch its shim through)."""
     for key in list(selector.get_map().values()):
         if key.fileobj is sys.stdin:
             continue
@@ -231,7 +233,6 @@ def _close_inherited(selector: selectors.BaseSelector, keep: socket.socket) -> N
         else:
             key.fileobj.close()
     selector.close()
-    del keep  # the child's own connection stays open: it watches its shim through it
 
 
 def _run_child(entry: Callable[[], object], request: dict, fds: list[int],

@@ -55,12 +55,9 @@ def _group_alive(group: int) -> bool:
     return True
 
 
-def descendant_groups(pid: int) -> set[int]:
-    """The process groups of ``pid``'s descendants (Linux ``/proc``; empty elsewhere).
-
-    The SuperExec that the SuperLink starts opens a session of its own, and the
-    ``flwr-simulation`` and Ray processes it starts live in it: stopping the SuperLink's group
-    alone leaves them running a run that was interrupted."""
+def descendants(pid: int) -> dict[int, int]:
+    """``pid``'s descendants, each with its process group (Linux ``/proc``; empty
+    elsewhere)."""
     children: dict[int, list[tuple[int, int]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
@@ -68,12 +65,21 @@ def descendant_groups(pid: int) -> set[int]:
         except (OSError, IndexError):
             continue
         children.setdefault(int(fields[1]), []).append((int(stat.parent.name), int(fields[2])))
-    groups, todo = set(), [pid]
+    found, todo = {}, [pid]
     while todo:
         for child, group in children.get(todo.pop(), []):
-            groups.add(group)
+            found[child] = group
             todo.append(child)
-    return groups
+    return found
+
+
+def descendant_groups(pid: int) -> set[int]:
+    """The process groups of ``pid``'s descendants.
+
+    The SuperExec that the SuperLink starts opens a session of its own, and the
+    ``flwr-simulation`` and Ray processes it starts live in it: stopping the SuperLink's group
+    alone leaves them running a run that was interrupted."""
+    return set(descendants(pid).values())
 
 
 def stop_process_groups(process: subprocess.Popen, term_wait: float) -> None:

@@ -16,25 +16,10 @@ import pytest
 import torch
 
 from client_app.runtime import use_thread_budget
+from launch.processes import descendants
 from tests.conftest import ROOT
 
 SMALL = {"method": "fedavg", "num-server-rounds": 1, "local-epochs": 1, "plot": False}
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def _run_and_watch(federation, config: dict, server_pid: int) -> set[str]:
@@ -45,7 +30,7 @@ def _run_and_watch(federation, config: dict, server_pid: int) -> set[str]:
 
     def watch() -> None:
         while not done.is_set():
-            for pid in _descendants(server_pid):
+            for pid in descendants(server_pid):
                 with contextlib.suppress(OSError):
                     names.add(Path(f"/proc/{pid}/comm").read_text().strip())
             time.sleep(0.05)
@@ -64,7 +49,7 @@ def _primed_workers(head) -> set[int]:
     """The head's idle workers started for a run's job (its PYTHONPATH names the installed
     app) with PyTorch already imported."""
     primed = set()
-    for pid in _descendants(head.process.pid):
+    for pid in descendants(head.process.pid):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes()
             environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -101,7 +86,7 @@ def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(fed
     # kept alive for a minute unless taken: gone, because the run's actors took them (an
     # actor's worker ends with its run). Other idle workers of the session's earlier runs
     # may serve some of its actors, so not necessarily all of these.
-    assert primed - _descendants(head.process.pid)
+    assert primed - set(descendants(head.process.pid))
 
 
 def test_a_client_keeps_to_its_thread_budget_in_a_process_that_imported_pytorch_first(
