@@ -10,4 +10,8 @@ RUN --mount=type=bind,source=pyproject.toml,target=/tmp/pyproject.toml \
     --mount=type=bind,source=deploy/pip-install.sh,target=/tmp/pip-install.sh \
     --mount=type=secret,id=pip-cert,mode=0444 \
     sh /tmp/pip-install.sh --deps-of /tmp/pyproject.toml
-ENTRYPOINT ["flower-superexec"]
+# The ServerApp and every ClientApp the SuperExec starts are forked from a process that has
+# imported Flower and PyTorch once, not started and imported afresh for each message
+# (launch/forkserver.py; with no fork server, the real commands run)
+COPY launch/forkserver.py /python/pflower/forkserver.py
+ENTRYPOINT ["python", "-P", "/python/pflower/forkserver.py", "--exec", "flower-superexec"]

@@ -21,6 +21,11 @@ Python's and NumPy's global generators are re-seeded from the OS in every child,
 process, and PyTorch's threads follow the child's ``OMP_NUM_THREADS`` as they would there.
 
     with ForkServer() as forks, LocalFederation(forkserver=forks) as federation: ...
+
+The app's SuperExec image (``deploy/superexec.Dockerfile``) starts its ``flower-superexec``
+the same way, so that a site's ClientApps and the ServerApp start warm in a container too:
+
+    python -P forkserver.py --exec flower-superexec ARGS...
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from pathlib import Path
 # The commands a fork server starts (their console-script entry points, as Flower's package
 # declares them), and the modules it imports for them in advance
 COMMANDS = {"flwr-simulation": "flwr.simulation.app:flwr_simulation",
+            "flwr-serverapp": "flwr.superlink.cli:flwr_serverapp",
             "flwr-clientapp": "flwr.supernode.cli:flwr_clientapp"}
+# those that are installed: Ray only where simulations run (not in the SuperExec image)
 PRELOAD = ("torch", "numpy", "ray", "flwr.serverapp", "flwr.clientapp")
 SOCKET_ENV = "PFLOWER_FORKSERVER"
 READY = b"ready"
@@ -109,13 +116,7 @@ class ForkServer:
         return {SOCKET_ENV: str(self.socket_path), "PATH": str(self.bin_dir)}
 
     def __enter__(self) -> ForkServer:
-        real_bin = Path(sys.executable).parent
-        self.bin_dir.mkdir()
-        for command in self.commands:
-            shim = self.bin_dir / command
-            shim.write_text(SHIM.format(python=sys.executable, real=str(real_bin / command),
-                                        socket_env=SOCKET_ENV, command=command))
-            shim.chmod(0o755)
+        write_shims(self.bin_dir, self.commands)
         env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
         env.update(IMPORT_TIME_ENV)
         env["PYTHONPATH"] = os.pathsep.join([*self.import_path, *_pythonpath(env)])
@@ -147,6 +148,38 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def write_shims(bin_dir: Path, commands: Mapping[str, str]) -> None:
+    """A shim in ``bin_dir`` for each command (the real one: beside this Python)."""
+    real_bin = Path(sys.executable).parent
+    bin_dir.mkdir()
+    for command in commands:
+        shim = bin_dir / command
+        shim.write_text(SHIM.format(python=sys.executable, real=str(real_bin / command),
+                                    socket_env=SOCKET_ENV, command=command))
+        shim.chmod(0o755)
+
+
+def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str]) -> None:
+    """A container's entrypoint: start a fork server for ``commands`` in the background,
+    then become ``argv`` (e.g. ``flower-superexec ...``) with their shims first on its
+    ``PATH`` (never returns). ``argv`` does not wait for the server's imports: until the
+    server listens, a shim runs the real command. The server keeps the container's own
+    environment, and stops when ``argv``'s process is gone (it holds the server's stdin)."""
+    folder = Path(tempfile.mkdtemp(prefix="pflower-fork-"))
+    bin_dir = folder / "bin"
+    write_shims(bin_dir, commands)
+    socket_path = folder / "socket"
+    read_end, write_end = os.pipe()
+    subprocess.Popen([sys.executable, "-P", str(Path(__file__).resolve()), str(socket_path),
+                      json.dumps(dict(commands))],
+                     stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
+    os.close(read_end)
+    os.set_inheritable(write_end, True)
+    env = {**os.environ, SOCKET_ENV: str(socket_path),
+           "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", os.defpath)])}
+    os.execvpe(argv[0], list(argv), env)
+
+
 def _readable(pipe: object, timeout: float) -> bool:
     return bool(select.select([pipe], [], [], timeout)[0])
 
@@ -156,9 +189,11 @@ def serve(socket_path: str, commands: Mapping[str, str]) -> None:
     for each request, in one thread (no lock another thread holds can be copied into a
     child), until SIGTERM or until its launcher is gone (its stdin closes)."""
     import importlib
+    import importlib.util
 
     for module in PRELOAD:
-        importlib.import_module(module)
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
     entries = {}
     for command, target in commands.items():
         module, _, function = target.partition(":")
@@ -320,4 +355,6 @@ def _name_process(name: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--exec":
+        exec_beside_fork_server(sys.argv[2:], COMMANDS)
     serve(sys.argv[1], json.loads(sys.argv[2]))

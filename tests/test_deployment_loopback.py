@@ -192,17 +192,21 @@ def readme_recipe() -> str:
     return text.split("```bash\n", 1)[1].split("\n```", 1)[0]
 
 
-def test_the_readme_loopback_recipe_runs_as_written(tmp_path):
+def test_the_readme_loopback_recipe_runs_as_written(tmp_path, forkserver):
     """The README's deployment without Docker, pasted into bash in a copy of the app, with
     ``SITES=2`` (its default is 3; two show the same): every site trains and evaluates every
-    round, results land where it says, and its last line leaves no Flower process behind."""
+    round, results land where it says, and its last line leaves no Flower process behind.
+    The recipe's commands run as written; the ServerApp and ClientApps they start are
+    forked warm (the fork server's shims first on PATH)."""
     app_dir = copy_app(tmp_path / "app")
+    warm = forkserver.env()
     process = subprocess.Popen(
         ["bash", "-c", readme_recipe()], cwd=app_dir, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PORT": str(free_port()), "SITES": "2",
-             "PATH": f"{Path(sys.executable).parent}"
-             f"{os.pathsep}{os.environ['PATH']}", "FLWR_DISABLE_UPDATE_CHECK": "1"})
+        env={**os.environ, **warm, "PORT": str(free_port()), "SITES": "2",
+             "PATH": os.pathsep.join([warm["PATH"], str(Path(sys.executable).parent),
+                                      os.environ["PATH"]]),
+             "FLWR_DISABLE_UPDATE_CHECK": "1"})
     try:
         output, _ = process.communicate(timeout=600)
     finally:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -135,3 +137,49 @@ def test_a_shim_gone_before_its_answer_does_not_stop_the_server(forks):
     done = subprocess.run([PROBE, "report"], capture_output=True, text=True, timeout=60,
                           env=_env(forks))
     assert done.returncode == 0 and json.loads(done.stdout)["ppid"] == forks.process.pid
+
+
+def test_exec_mode_serves_flowers_commands_beside_the_program_it_becomes(tmp_path):
+    """The SuperExec image's entrypoint (deploy/superexec.Dockerfile): the program (there
+    flower-superexec) runs with the shims first on PATH, a server for Flower's commands
+    listens at the socket it is given, and stops when the program is gone."""
+    program = ("import json, os, sys; print(json.dumps({'path': os.environ['PATH'], "
+               f"'socket': os.environ['{SOCKET_ENV}']}}), flush=True); sys.stdin.read()")
+    started = subprocess.Popen(
+        [sys.executable, "-P", str(ROOT / "launch" / "forkserver.py"), "--exec",
+         sys.executable, "-c", program],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        seen = json.loads(started.stdout.readline())
+        bin_dir = Path(seen["path"].split(os.pathsep)[0])
+        assert sorted(p.name for p in bin_dir.iterdir()) == sorted(COMMANDS)
+        socket_path = Path(seen["socket"])
+        deadline = time.monotonic() + 120       # the server's imports
+        while not socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        read_end, write_end = os.pipe()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(socket_path))   # as a shim asks: the server forks the command
+            request = {"command": "flwr-clientapp", "argv": ["flwr-clientapp", "--help"],
+                       "cwd": str(tmp_path), "env": dict(os.environ)}
+            socket.send_fds(sock, [json.dumps(request).encode()], [0, write_end, 2])
+            os.close(write_end)
+            assert int(sock.recv(64)) > 0 and int(sock.recv(64)) == 0
+        with os.fdopen(read_end) as output:
+            assert "usage: flwr-clientapp" in output.read()
+        started.stdin.close()                 # the program leaves: so does the server
+        assert started.wait(30) == 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+                    sock.connect(str(socket_path))
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the fork server outlived the program")
+    finally:
+        started.kill()
+        if "socket_path" in locals():
+            shutil.rmtree(socket_path.parent, ignore_errors=True)
