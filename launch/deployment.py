@@ -79,8 +79,8 @@ class LocalDeployment(LocalFederation):
     (PyTorch would otherwise give every site all cores); 0 leaves PyTorch's default.
     ``poll_interval``: how often each SuperExec looks for a message's work to start
     (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``; Flower's default is 1 s). ``forkserver``: the
-    SuperNodes' ``flwr-clientapp`` processes (one per message) are forked warm from it;
-    not with ``namespaces`` (a forked process would live in the fork server's network)."""
+    SuperNodes' ``flwr-clientapp`` processes (one per message) and the SuperLink's
+    ``flwr-serverapp`` are forked warm from it (in a site's namespace, with ``namespaces``)."""
 
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
                  home: str | Path | None = None, namespaces: bool = False,
@@ -88,8 +88,6 @@ class LocalDeployment(LocalFederation):
                  client_ids: dict[int, str] | None = None,
                  start_sites: list[int] | None = None, site_threads: int | None = None,
                  poll_interval: float = 0.2, forkserver: ForkServer | None = None) -> None:
-        if namespaces and forkserver is not None:
-            raise ValueError("a fork server's processes cannot join a site's network namespace")
         super().__init__(home, forkserver=forkserver)
         if supernode_auth and not certs_dir:
             raise ValueError("SuperNode authentication needs TLS (certs_dir)")

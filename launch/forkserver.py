@@ -14,7 +14,10 @@ the SuperLink or SuperNode it starts gets them from here:
   that takes them over and calls the same Flower entry point the real command calls;
 - the shim forwards SIGTERM/SIGINT/SIGHUP to the child and exits as the child exits (with
   its code, or by its signal); a child whose shim is gone (SIGKILL of its process group) is
-  stopped; with no fork server reachable, the shim runs the real command instead.
+  stopped; with no fork server reachable, the shim runs the real command instead;
+- a shim in another network namespace (a site of ``LocalDeployment(namespaces=True)``) gets
+  a child that joins its namespace; where the server may not (not root), it refuses, and
+  the shim runs the real command.
 
 The child's seeds are unaffected: the app seeds everything it uses from its run config.
 Python's and NumPy's global generators are re-seeded from the OS in every child, as in a new
@@ -38,6 +41,7 @@ import selectors
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -239,10 +243,11 @@ def _fork_for(listener: socket.socket, selector: selectors.BaseSelector,
         data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
         request = json.loads(data)
         entry = entries[request["command"]]
+        network = _network_to_join(connection)
         pid = os.fork()
         if pid == 0:
             _close_inherited(selector)
-            _run_child(entry, request, fds, connection, base_path, default_threads)
+            _run_child(entry, request, fds, connection, network, base_path, default_threads)
         # watched before the shim hears of it: a child is reaped even if its shim is gone
         selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
         watched = True
@@ -270,16 +275,45 @@ def _close_inherited(selector: selectors.BaseSelector) -> None:
     selector.close()
 
 
+def _network_to_join(connection: socket.socket) -> str | None:
+    """The network namespace of the shim at the other end, where it is not the server's
+    (``/proc/<pid>/ns/net``); OSError (the request is refused) where only root could join
+    it."""
+    pid, _, _ = struct.unpack("3i", connection.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    theirs = f"/proc/{pid}/ns/net"
+    if os.stat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:
+        return None
+    if os.geteuid() != 0:
+        raise PermissionError("joining another network namespace needs root")
+    return theirs
+
+
+def _join_network(namespace: str) -> None:
+    """setns(2) into a network namespace (os.setns is Python 3.12+)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(namespace, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {namespace}")
+    finally:
+        os.close(fd)
+
+
 def _run_child(entry: Callable[[], object], request: dict, fds: list[int],
-               connection: socket.socket, base_path: list[str], default_threads: int
-               ) -> None:
-    """In the forked child: become the requested command's process, run its entry point,
-    exit with its status (never returns)."""
+               connection: socket.socket, network: str | None, base_path: list[str],
+               default_threads: int) -> None:
+    """In the forked child: become the requested command's process (in its shim's network
+    namespace), run its entry point, exit with its status (never returns)."""
     code = 1
     try:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        if network is not None:
+            _join_network(network)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

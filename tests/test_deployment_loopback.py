@@ -93,7 +93,8 @@ def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path, fo
     assert "site-2" in rounds[5].get("eval", {}).get("per_client", {}), rounds[5]
 
 
-def test_an_insecure_deployment_runs_and_a_stopped_run_resumes_to_the_same_results(tmp_path):
+def test_an_insecure_deployment_runs_and_a_stopped_run_resumes_to_the_same_results(tmp_path,
+                                                                                   forkserver):
     """An insecure deployment of two sites, each SuperNode in its own network namespace with
     its own address where the machine allows it (``ip netns``), else on loopback, runs a
     personalized method. Then ``flwr stop`` the ServerApp after round 1 of 3, resume from its
@@ -101,7 +102,8 @@ def test_an_insecure_deployment_runs_and_a_stopped_run_resumes_to_the_same_resul
     state-dir)."""
     base = {**CONFIG, "num-server-rounds": 3, "min-nodes": 2}
     full, stopped, resumed = tmp_path / "full", tmp_path / "stopped", tmp_path / "resumed"
-    with LocalDeployment(2, home=tmp_path / "home", namespaces=NAMESPACES) as deployment:
+    with LocalDeployment(2, home=tmp_path / "home", namespaces=NAMESPACES,
+                         forkserver=forkserver) as deployment:
         uninterrupted = deployment.run(ROOT, {**base, "output-dir": str(full)})
         _check(uninterrupted, full, tmp_path, deployment)
         if NAMESPACES:  # checked once the SuperNodes have served (``ip netns exec`` has

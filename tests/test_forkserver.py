@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.deployment import namespaces_available
 from launch.forkserver import COMMANDS, SOCKET_ENV, ForkServer
 
 pytestmark = pytest.mark.integration  # it starts Flower's own flwr-clientapp
@@ -85,6 +86,21 @@ def test_a_forked_command_gets_its_arguments_folder_environment_and_streams(fork
     again = subprocess.run([PROBE, "report"], capture_output=True, text=True, timeout=60,
                            env=_env(forks))
     assert json.loads(again.stdout)["marker"] is None  # nothing carried from the last one
+
+
+@pytest.mark.skipif(not namespaces_available() or shutil.which("unshare") is None,
+                    reason="no network namespaces here (root and iproute2 needed)")
+def test_a_shim_in_another_network_namespace_gets_a_child_in_it(forks):
+    """As a site of LocalDeployment(namespaces=True) asks: its ClientApp must reach the
+    site's SuperNode on the site's own network."""
+    done = subprocess.run(
+        ["unshare", "--net", "sh", "-c", f"stat -L -c %i /proc/self/ns/net && {PROBE} report"],
+        capture_output=True, text=True, timeout=60, env=_env(forks))
+    assert done.returncode == 0, done.stderr
+    shim_network, report = done.stdout.split("\n", 1)
+    seen = json.loads(report)
+    assert seen["ppid"] == forks.process.pid            # forked, not the real command
+    assert seen["network"] == int(shim_network) != os.stat("/proc/self/ns/net").st_ino
 
 
 def test_exit_status_and_stderr_come_back(forks):
