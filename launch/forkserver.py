@@ -107,8 +107,7 @@ class ForkServer:
         self.commands = dict(COMMANDS if commands is None else commands)
         # folders the server imports commands from (not passed on to its children)
         self.import_path = [str(Path(folder).resolve()) for folder in import_path]
-        # a Unix socket's path must stay short: a private folder under /tmp
-        self.folder = Path(tempfile.mkdtemp(prefix="pflower-fork-", dir="/tmp"))
+        self.folder = _private_folder()
         self.socket_path = self.folder / "socket"
         self.bin_dir = self.folder / "bin"
         self.log = self.folder / "forkserver.log"
@@ -125,13 +124,9 @@ class ForkServer:
         env.update(IMPORT_TIME_ENV)
         env["PYTHONPATH"] = os.pathsep.join([*self.import_path, *_pythonpath(env)])
         with self.log.open("wb") as log:
-            # -P and the file's path: neither the launcher's folder nor the repository is on
-            # the server's import path, so that a child imports what the real command would
             self.process = subprocess.Popen(
-                [sys.executable, "-P", str(Path(__file__).resolve()), str(self.socket_path),
-                 json.dumps(self.commands)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                start_new_session=True)
+                _server_command(self.socket_path, self.commands), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         ready = self.process.stdout.read(len(READY)) if _readable(
             self.process.stdout, START_TIMEOUT_SECONDS) else b""
         if ready != READY:
@@ -152,6 +147,20 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _private_folder() -> Path:
+    """Where a fork server's socket and shims live: a Unix socket's path must stay short,
+    so a private folder under /tmp."""
+    return Path(tempfile.mkdtemp(prefix="pflower-fork-", dir="/tmp"))
+
+
+def _server_command(socket_path: Path, commands: Mapping[str, str]) -> list[str]:
+    """The fork server's command line. -P and the file's path: neither the launcher's folder
+    nor the repository is on the server's import path, so that a child imports what the real
+    command would."""
+    return [sys.executable, "-P", str(Path(__file__).resolve()), str(socket_path),
+            json.dumps(dict(commands))]
+
+
 def write_shims(bin_dir: Path, commands: Mapping[str, str]) -> None:
     """A shim in ``bin_dir`` for each command (the real one: beside this Python)."""
     real_bin = Path(sys.executable).parent
@@ -169,14 +178,13 @@ def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str]) ->
     ``PATH`` (never returns). ``argv`` does not wait for the server's imports: until the
     server listens, a shim runs the real command. The server keeps the container's own
     environment, and stops when ``argv``'s process is gone (it holds the server's stdin)."""
-    folder = Path(tempfile.mkdtemp(prefix="pflower-fork-"))
+    folder = _private_folder()
     bin_dir = folder / "bin"
     write_shims(bin_dir, commands)
     socket_path = folder / "socket"
     read_end, write_end = os.pipe()
-    subprocess.Popen([sys.executable, "-P", str(Path(__file__).resolve()), str(socket_path),
-                      json.dumps(dict(commands))],
-                     stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
+    subprocess.Popen(_server_command(socket_path, commands), stdin=read_end,
+                     stdout=subprocess.DEVNULL, start_new_session=True)
     os.close(read_end)
     os.set_inheritable(write_end, True)
     env = {**os.environ, SOCKET_ENV: str(socket_path),

@@ -22,6 +22,7 @@ import pytest
 
 from launch.deployment import namespaces_available
 from launch.forkserver import COMMANDS, SOCKET_ENV, ForkServer
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration  # it starts Flower's own flwr-clientapp
 PROBE = "pflower-probe"
@@ -47,6 +48,16 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+def _refuses(socket_path: Path) -> bool:
+    """Whether no server listens at ``socket_path`` any more."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(socket_path))
+    except ConnectionRefusedError:
+        return True
+    return False
 
 
 def _waiting_child(forks: ForkServer, tmp_path: Path) -> tuple[subprocess.Popen, int]:
@@ -170,9 +181,7 @@ def test_exec_mode_serves_flowers_commands_beside_the_program_it_becomes(tmp_pat
         bin_dir = Path(seen["path"].split(os.pathsep)[0])
         assert sorted(p.name for p in bin_dir.iterdir()) == sorted(COMMANDS)
         socket_path = Path(seen["socket"])
-        deadline = time.monotonic() + 120       # the server's imports
-        while not socket_path.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(socket_path.exists, 120, poll=0.1)      # the server's imports
         read_end, write_end = os.pipe()
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
             sock.connect(str(socket_path))   # as a shim asks: the server forks the command
@@ -185,16 +194,7 @@ def test_exec_mode_serves_flowers_commands_beside_the_program_it_becomes(tmp_pat
             assert "usage: flwr-clientapp" in output.read()
         started.stdin.close()                 # the program leaves: so does the server
         assert started.wait(30) == 0
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-                    sock.connect(str(socket_path))
-            except ConnectionRefusedError:
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail("the fork server outlived the program")
+        wait_for(lambda: _refuses(socket_path), 30, poll=0.1)
     finally:
         started.kill()
         if "socket_path" in locals():

@@ -38,7 +38,7 @@ def _run_and_watch(federation, config: dict, server_pid: int) -> set[str]:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        run = federation.run(ROOT, config, num_supernodes=2)
+        run = federation.run(ROOT, config, num_supernodes=2, timeout=600)
     finally:
         done.set()
         watcher.join()
@@ -67,11 +67,8 @@ def _primed_workers(head) -> set[int]:
 def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(federation,
                                                                             tmp_path):
     head, forks = federation.ray_head, federation.forkserver
-    seen: set[str] = set()
-    runner = threading.Thread(target=lambda: seen.update(_run_and_watch(
-        federation, {**SMALL, "output-dir": str(tmp_path / "a")}, forks.process.pid)))
-    runner.start()
-    runner.join(600)
+    seen = _run_and_watch(federation, {**SMALL, "output-dir": str(tmp_path / "a")},
+                          forks.process.pid)
     assert "ok" in seen, seen
     assert "flwr-simulation" in seen  # the run's process was forked warm
     deadline, primed, last = time.monotonic() + 60, set(), None
