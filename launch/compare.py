@@ -84,10 +84,10 @@ class Comparison:
     """The rows' runs under ``out`` on one federation: stored runs are read, others run."""
 
     def __init__(self, federation: LocalFederation | None, app: Path, base: dict[str, Any],
-                 out: Path, federation_args: list[str], run_timeout: float) -> None:
+                 out: Path, federation_config: dict[str, Any], run_timeout: float) -> None:
         self.federation, self.app, self.base = federation, app, base
-        # the simulation's size and each client's resources (``flwr run`` arguments)
-        self.out, self.federation_args, self.run_timeout = out, federation_args, run_timeout
+        # the simulation's size and each client's resources (LocalFederation.federation_config)
+        self.out, self.federation_config, self.run_timeout = out, federation_config, run_timeout
         self.defaults = app_defaults(app)
         self.failed: list[str] = []
 
@@ -130,7 +130,7 @@ class Comparison:
             return None
         print(f"[compare] {row.label} {stage} {config_tag(config)} seed {seed}", flush=True)
         # flwr_run, not run: ``check`` has checked every configuration already
-        run = self.federation.flwr_run(self.app, run_config, self.federation_args,
+        run = self.federation.flwr_run(self.app, run_config, self.federation_config,
                                        timeout=self.run_timeout)
         if run.run_id and not run.status.startswith("finished"):
             # the CLI gave up waiting (--run-timeout): stop the run, or it would compete
@@ -346,10 +346,10 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
             raise ConfigError("--supernodes: at least 1")
         out = (args.out or Path("outputs")
                / f"compare-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
-        federation_args = LocalFederation.federation_config(
+        federation_config = LocalFederation.federation_config(
             args.supernodes, args.cpus_per_client, args.gpus_per_client)
         check_same_clients(out, args.supernodes)
-        comparison = Comparison(federation, args.app.resolve(), base, out, federation_args,
+        comparison = Comparison(federation, args.app.resolve(), base, out, federation_config,
                                 args.run_timeout)
         comparison.check(rows, args.seeds)
     except (ConfigError, ValueError, OSError) as error:

@@ -1,10 +1,12 @@
-"""Run the app through real ``flwr run`` on a private, self-stopping local SuperLink.
+"""Run the app as ``flwr run`` does, on a private, self-stopping local SuperLink.
 
 ``flwr run .`` against ``:local:`` normally spawns a detached SuperLink on fixed ports that
 outlives the run and is shared by everyone on the host. Tests, benchmarks and the demo script
 instead start their own ``flower-superlink --simulation`` on free ports with their own
 ``FLWR_HOME`` (the CLI finds it by port, exactly as it finds its managed one), and stop it,
-with every process it started, on exit.
+with every process it started, on exit. A run is started in-process with the requests
+``flwr run --stream`` sends to the SuperLink's Control API (``LocalFederation.flwr_run``);
+``flwr`` itself works against the same SuperLink (``flwr ls``, ``flwr log``).
 
     with LocalFederation() as federation:
         completed = federation.run(".", {"method": "fedper"}, num_supernodes=4)
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -37,15 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
 from common.config import ConfigError, app_defaults
 from launch.forkserver import ForkServer
 from launch.processes import free_port, stop_process_groups
 from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
 
-STARTED_RUN = re.compile(r"Successfully started run (\d+)")
 # The ServerApp's last line of a completed run (server_app/results.py): the run's work is done
 RESULTS_WRITTEN = "[final] results written to"
 SUPEREXEC_POLL_SECONDS = 0.1
@@ -88,7 +88,9 @@ def bundle_files(app_dir: str | Path, into: Path) -> Path:
 class FlowerRun:
     """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
 
-    returncode: int  # flwr run's; 0 where the launcher ended its log stream (the run had ended)
+    # 0: the run ended (``status`` says how); 1: it was not started (``output`` says why);
+    # 124: it had not ended within the launcher's timeout, and was stopped
+    returncode: int
     output: str
     run_id: str | None
     status: str  # e.g. "finished:completed", "finished:failed"; "" if the run never started
@@ -198,74 +200,83 @@ class LocalFederation:
 
     @staticmethod
     def federation_config(num_supernodes: int, cpus_per_client: int,
-                          gpus_per_client: float) -> list[str]:
-        """``flwr run`` arguments for the simulation's size and each client's resources."""
-        return ["--federation-config",
-                f"num-supernodes={num_supernodes} client-resources-num-cpus="
-                f"{cpus_per_client} client-resources-num-gpus={gpus_per_client}"]
+                          gpus_per_client: float) -> dict[str, Any]:
+        """The simulation's size and each client's resources, as ``flwr run
+        --federation-config`` takes them."""
+        return {"num-supernodes": num_supernodes, "client-resources-num-cpus": cpus_per_client,
+                "client-resources-num-gpus": float(gpus_per_client)}
 
     def flwr_run(self, app_dir: str | Path, run_config: dict[str, Any] | None,
-                 extra_args: list[str], *, timeout: float = 900, echo: bool = False
+                 federation: dict[str, Any], *, timeout: float = 900, echo: bool = False
                  ) -> FlowerRun:
-        """``flwr run APP --stream [extra_args]`` on the default connection, the run config
-        unchecked (the ServerApp's own check is all there is, as with a plain ``flwr run``).
+        """What ``flwr run APP --stream --federation-config ...`` does on the default
+        connection, asked in-process through the SuperLink's Control API, the run config
+        unchecked (the ServerApp's own check is all there is, as with a plain ``flwr run``):
+        the app bundled (Flower's ``build_fab_from_disk``, which validates its
+        ``pyproject.toml``), the run started (``StartRun``), its log streamed
+        (``StreamLogs``) until the SuperLink ends the stream at the run's end. A ``flwr run``
+        process cost each run about 1 s of CPU for its imports. ``federation``: the
+        simulation's size and resources, ``federation_config``'s keys.
 
-        ``flwr run --stream`` exits 0 even when the ServerApp fails, so the run's final
+        A run that ends in failure still ends its stream normally, so the run's final
         status, and why it failed, are read back from the SuperLink (``runs``)."""
+        import httpx
+        from flwr.proto.control_pb2 import StreamLogsRequest
+
         staged = bundle_files(app_dir, self.home / f"app-{time.monotonic_ns()}")
-        command = ["flwr", "run", str(staged), "--stream", *extra_args]
-        if run_config:
-            overrides = self.home / f"run-config-{time.monotonic_ns()}.toml"
-            overrides.write_text(tomli_w.dumps(run_config))
-            command += ["--run-config", str(overrides)]
+        try:
+            with self.control_client() as control:
+                run_id = str(_start_run(control, staged, run_config or {}, federation))
+        except (ValueError, OSError, httpx.HTTPError) as error:  # what `flwr run` reports
+            return FlowerRun(1, f"flwr run: {error}\n", None, "")
+        finally:
+            if staged != Path(app_dir):
+                shutil.rmtree(staged, ignore_errors=True)
         lines: list[str] = []
-        run_ids: list[str] = []
         primed = threading.Event()
+        stream_ended = threading.Event()
 
-        def read(stream: Any) -> None:
-            for line in stream:  # stream the progress lines as they come
-                lines.append(line)
-                if echo and not any(noise in line for noise in FLOWER_NOISE):
-                    print(line, end="", flush=True)
-                if not run_ids and (found := STARTED_RUN.search(line)):
-                    run_ids.append(found.group(1))
-                if RESULTS_WRITTEN in line:
-                    self._prime(primed)
-
-        ended_by_us = False
-        with subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) as process:
-            reader = threading.Thread(target=read, args=(process.stdout,), daemon=True)
-            reader.start()
-            deadline = time.monotonic() + timeout
+        def read() -> None:
             try:
                 with self.control_client() as control:
-                    while reader.is_alive() and time.monotonic() < deadline:
-                        reader.join(STATUS_POLL_SECONDS)
-                        if not reader.is_alive():
-                            break
-                        # Flower's CLI takes a second or two after the SuperLink has
-                        # recorded the run's end to end its stream and exit
-                        if run_ids and _finished(control, run_ids[0]):
-                            reader.join(STREAM_GRACE_SECONDS)  # the last lines on their way
-                            ended_by_us = reader.is_alive()
-                            break
-            finally:  # finished, past its timeout, or interrupted (SIGTERM, Ctrl-C)
-                if process.poll() is None:
-                    process.kill()
-                reader.join()
-            returncode = 0 if ended_by_us else process.wait()
-        if staged != Path(app_dir):
-            shutil.rmtree(staged, ignore_errors=True)
+                    for response in control.StreamLogs(
+                            StreamLogsRequest(run_id=int(run_id), after_timestamp=0.0)):
+                        for line in response.log_output.splitlines(keepends=True):
+                            lines.append(line)
+                            if echo and not any(noise in line for noise in FLOWER_NOISE):
+                                print(line, end="", flush=True)
+                            if RESULTS_WRITTEN in line:
+                                self._prime(primed)
+                stream_ended.set()
+            except (OSError, httpx.HTTPError):  # the status poll below still sees the end
+                pass
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout
+        with self.control_client() as control:
+            while reader.is_alive() and time.monotonic() < deadline:
+                reader.join(STATUS_POLL_SECONDS)
+                # a stream that broke off (a dropped connection) does not end the wait: the
+                # SuperLink's record of the run's end does
+                if reader.is_alive() and _finished(control, run_id):
+                    reader.join(STREAM_GRACE_SECONDS)  # the last lines on their way
+                    break
+            while not reader.is_alive() and not stream_ended.is_set() and (
+                    time.monotonic() < deadline) and not _finished(control, run_id):
+                time.sleep(STATUS_POLL_SECONDS)
         self._prime(primed)
         output = "".join(lines)
-        run_id = run_ids[0] if run_ids else None
-        runs = self.runs(run_id) if run_id is not None else []
-        if not runs:
-            return FlowerRun(returncode, output, run_id, "")
+        runs = self.runs(run_id)
+        if not runs or not runs[0]["status"].startswith("finished"):
+            # past its timeout: the run is stopped, not left running beside the next one
+            with contextlib.suppress(OSError, httpx.HTTPError):
+                self.stop(run_id)
+            return FlowerRun(124, output + f"flwr run: no end within {timeout:.0f} s\n",
+                             run_id, runs[0]["status"] if runs else "")
         status = runs[0]["status"]
         details = runs[0].get("status-details", "") if status != "finished:completed" else ""
-        return FlowerRun(returncode, output, run_id, status, FAILED_WITH.sub("", details))
+        return FlowerRun(0, output, run_id, status, FAILED_WITH.sub("", details))
 
     def _prime(self, primed: threading.Event) -> None:
         """Have the Ray head start the next run's workers (once a run, in the background):
@@ -326,6 +337,29 @@ def _list_runs(control: Any, run_id: str | None) -> list[dict[str, str]]:
     rows = format_runs([run_from_proto(run) for run in listed.run_dict.values()], listed.now)
     return [{"run-id": str(row.run_id), "status": row.status_text,
              "status-details": row.details} for row in rows]
+
+
+def _start_run(control: Any, app: Path, run_config: dict[str, Any],
+               federation: dict[str, Any]) -> int:
+    """``flwr run``'s request (``flwr.cli.run``): the app's FAB, the run-config overrides and
+    the simulation's config; the run's id."""
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.serde import fab_to_proto, user_config_to_proto
+    from flwr.proto.control_pb2 import StartRunRequest
+    from flwr.supercore.fab import Fab
+    from flwr.supercore.utils import simulation_config_from_json
+
+    fab_bytes = build_fab_from_disk(app)
+    fab = Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})
+    simulation = (simulation_config_from_json({key.replace("-", "_"): value
+                                               for key, value in federation.items()})
+                  if federation else None)
+    response = control.StartRun(StartRunRequest(
+        fab=fab_to_proto(fab), override_config=user_config_to_proto(run_config),
+        federation="", override_federation_config=simulation))
+    if not response.HasField("run_id"):
+        raise ValueError("the SuperLink did not start the run")
+    return response.run_id
 
 
 def _finished(control: Any, run_id: str) -> bool:

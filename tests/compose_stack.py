@@ -97,7 +97,7 @@ class ComposeStack(LocalFederation):
         the CLI's stream."""
         result: dict = {}
         runner = threading.Thread(daemon=True, target=lambda: result.update(
-            run=self.flwr_run(app_dir, run_config, [], timeout=timeout, echo=echo)))
+            run=self.flwr_run(app_dir, run_config, {}, timeout=timeout, echo=echo)))
         runner.start()
         while runner.is_alive():
             runner.join(1.0)

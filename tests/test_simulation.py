@@ -17,6 +17,7 @@ from tests.conftest import (
     check_results_schema,
     copy_app,
     read_results,
+    wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -122,6 +123,30 @@ def test_unknown_method_or_dataset_fails_at_start(federation, tmp_path, key, val
     lines = [line for line in run.output.splitlines() if "Invalid run config" in line]
     assert lines and f"{key}: unknown value '{value}'" in lines[0] and allowed in lines[0]
     assert not (tmp_path / "results.json").exists()
+
+
+def test_an_app_flower_cannot_bundle_is_not_started_and_says_why(federation, tmp_path):
+    """What ``flwr run`` refuses (its bundle's check of ``pyproject.toml``) is refused the
+    same way in-process: no run, returncode 1 and Flower's reason."""
+    app = copy_app(tmp_path / "app")
+    pyproject = app / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('serverapp = "', 'serverap = "', 1))
+    before = {run["run-id"] for run in federation.runs()}
+    run = federation.flwr_run(app, quick(tmp_path), federation.federation_config(2, 1, 0.0))
+    assert (run.returncode, run.run_id, run.status) == (1, None, "")
+    assert "serverapp" in run.output, run.output
+    assert {run["run-id"] for run in federation.runs()} == before
+
+
+def test_a_run_past_its_timeout_is_stopped(federation, tmp_path):
+    """A run that has not ended within the launcher's timeout is not left running beside
+    the next one: the launcher stops it and says so."""
+    run = federation.run(ROOT, quick(tmp_path, **{"num-server-rounds": 200}),
+                         num_supernodes=2, timeout=8)
+    assert run.returncode == 124 and not run.ok
+    assert "no end within 8 s" in run.output
+    wait_for(lambda: federation.runs(run.run_id)[0]["status"].startswith("finished"), 60)
+    assert federation.runs(run.run_id)[0]["status"] == "finished:stopped"
 
 
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(shared_runs):
