@@ -10,7 +10,11 @@ FedAvg on digits. Three ways to run the same rounds, each ``--repeats`` times, m
   a private SuperLink started and stopped, a private Ray instance inside the run;
 - warm: runs one after another as the test session and the benchmarks run them
   (``launch.federation.warm_federation``: one SuperLink, Ray head and fork server kept up,
-  the next run's Ray workers started early); the first warm run is left out.
+  the next run's Ray workers started early); the first warm run is left out;
+- side by side: two such warm federations (one fork server) running at once, as the test
+  session's workers do, each ``--repeats`` runs after a first one left out; a run's wall time
+  is the elapsed time of all of them over their number, so that one lane's waits may be
+  spent on the other's work.
 
 A run's fixed cost is its wall time minus the sum of its rounds' seconds (``results.json``).
 Writes ``bench/results/overhead.md``.
@@ -19,12 +23,15 @@ Writes ``bench/results/overhead.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
 
@@ -39,6 +46,7 @@ from bench.report import write_report  # noqa: E402
 from client_app.runtime import Client  # noqa: E402
 from common.config import app_defaults  # noqa: E402
 from launch.federation import LocalFederation, warm_federation  # noqa: E402
+from launch.forkserver import ForkServer  # noqa: E402
 from strategies.registry import build_model  # noqa: E402
 from strategies.training import LocalTraining, evaluate_model  # noqa: E402
 
@@ -115,6 +123,33 @@ def warm_runs(config: dict, supernodes: int, count: int, tmp: Path
     return timed[1:]
 
 
+def side_by_side_runs(config: dict, supernodes: int, count: int, tmp: Path, lanes: int = 2
+                      ) -> tuple[float, list[tuple[float, float]]]:
+    """``lanes`` warm federations, one fork server, each running ``count`` runs at once after
+    a first one left out: (seconds from the first timed run's start to the last one's end,
+    every timed run's wall and rounds)."""
+    ready = threading.Barrier(lanes)
+    starts: list[float] = []
+    ends: list[float] = []
+
+    def lane(index: int, federation: LocalFederation) -> list[tuple[float, float]]:
+        timed_run(federation, config, supernodes, tmp / f"lane{index}-first")
+        ready.wait()
+        starts.append(time.perf_counter())
+        timed = [timed_run(federation, config, supernodes, tmp / f"lane{index}-{run}")
+                 for run in range(count)]
+        ends.append(time.perf_counter())
+        return timed
+
+    with ForkServer() as forks, contextlib.ExitStack() as stack:
+        federations = [stack.enter_context(warm_federation(forkserver=forks))
+                       for _ in range(lanes)]
+        with ThreadPoolExecutor(lanes) as pool:  # a lane's failure is raised here
+            done = [future.result() for future in
+                    [pool.submit(lane, index, fed) for index, fed in enumerate(federations)]]
+    return max(ends) - min(starts), [run for timed in done for run in timed]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -133,6 +168,7 @@ def main() -> None:
         cold = [cold_run(config, args.supernodes, Path(tmp) / f"cold-{i}")
                 for i in range(args.repeats)]
         warm = warm_runs(config, args.supernodes, args.repeats, Path(tmp))
+        elapsed, paired = side_by_side_runs(config, args.supernodes, args.repeats, Path(tmp))
 
     bare_rounds = median(r for _, r in bare)
     rows = []
@@ -143,10 +179,16 @@ def main() -> None:
         fixed = median(w - r for w, r in runs)
         rows.append(f"| {name} | {wall:.1f} s | {rounds:.1f} s | {fixed:.1f} s | "
                     f"{rounds / bare_rounds:.1f}x |")
+    per_run, paired_rounds = elapsed / len(paired), median(r for _, r in paired)
+    rows.append(f"| warm, two side by side (elapsed / runs; each run's own wall "
+                f"{median(w for w, _ in paired):.1f} s) | {per_run:.1f} s | "
+                f"{paired_rounds:.1f} s | {per_run - paired_rounds:.1f} s | "
+                f"{paired_rounds / bare_rounds:.1f}x |")
     table = ("| how | wall time | its rounds (sum) | fixed cost (wall - rounds) | rounds / bare "
              "rounds |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
              f"Medians of {args.repeats} repeats each; every run's wall and rounds: bare "
-             f"{_pairs(bare)}; cold {_pairs(cold)}; warm {_pairs(warm)}.\n")
+             f"{_pairs(bare)}; cold {_pairs(cold)}; warm {_pairs(warm)}; side by side "
+             f"{_pairs(paired)}, {len(paired)} runs in {elapsed:.1f} s.\n")
     command = (f"python bench/overhead.py --rounds {args.rounds} --supernodes "
                f"{args.supernodes} --repeats {args.repeats}")
     write_report("overhead", f"A run's fixed cost (FedAvg, digits, {args.supernodes} clients, "
