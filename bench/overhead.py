@@ -2,7 +2,7 @@
 
     python bench/overhead.py --rounds 2 --supernodes 10 --repeats 3
 
-FedAvg on digits. Three ways to run the same rounds, each ``--repeats`` times, medians:
+FedAvg on digits. Four ways to run the same rounds, each ``--repeats`` times, medians:
 
 - bare: the same clients (data partitions), seeded model, local rule and personalized
   evaluation in one process, state dicts averaged in-process, no Flower at all;
@@ -133,7 +133,11 @@ def side_by_side_runs(config: dict, supernodes: int, count: int, tmp: Path, lane
     ends: list[float] = []
 
     def lane(index: int, federation: LocalFederation) -> list[tuple[float, float]]:
-        timed_run(federation, config, supernodes, tmp / f"lane{index}-first")
+        try:
+            timed_run(federation, config, supernodes, tmp / f"lane{index}-first")
+        except BaseException:
+            ready.abort()  # the other lane stops waiting for this one
+            raise
         ready.wait()
         starts.append(time.perf_counter())
         timed = [timed_run(federation, config, supernodes, tmp / f"lane{index}-{run}")
