@@ -129,13 +129,10 @@ class Comparison:
         if self.federation is None:
             return None
         print(f"[compare] {row.label} {stage} {config_tag(config)} seed {seed}", flush=True)
-        # flwr_run, not run: ``check`` has checked every configuration already
+        # flwr_run, not run: ``check`` has checked every configuration already; a run past
+        # --run-timeout is stopped by flwr_run, so that it does not compete with the next one
         run = self.federation.flwr_run(self.app, run_config, self.federation_config,
                                        timeout=self.run_timeout)
-        if run.run_id and not run.status.startswith("finished"):
-            # the CLI gave up waiting (--run-timeout): stop the run, or it would compete
-            # with the next one for the machine
-            self.federation.stop(run.run_id)
         if not run.ok:
             reason = run.reason or run.status or "did not start"
             self.failed.append(f"{row.label} {stage} {config_tag(config)} seed {seed}: "

@@ -265,9 +265,9 @@ class LocalFederation:
             while not reader.is_alive() and not stream_ended.is_set() and (
                     time.monotonic() < deadline) and not _finished(control, run_id):
                 time.sleep(STATUS_POLL_SECONDS)
+            runs = _list_runs(control, run_id)
         self._prime(primed)
         output = "".join(lines)
-        runs = self.runs(run_id)
         if not runs or not runs[0]["status"].startswith("finished"):
             # past its timeout: the run is stopped, not left running beside the next one
             with contextlib.suppress(OSError, httpx.HTTPError):
