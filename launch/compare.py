@@ -38,19 +38,18 @@ from typing import Any
 from common.config import ConfigError, app_defaults
 from launch.comparison import (
     RISING,
+    comparable_config,
     config_tag,
     method_stats,
     paired_difference,
     run_figures,
     summarize_run,
 )
+from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 from launch.federation import LocalFederation, warm_federation
 from launch.run_config import check_run_config, parse_overrides
 
 APP_ROOT = Path(__file__).resolve().parents[1]
-# keys that do not change a run's numbers: a stored run that differs only in these is reused
-NOT_IN_RESULTS = frozenset({"output-dir", "resume-from", "plot", "tracking", "device",
-                            "data-cache", "round-timeout", "max-in-flight"})
 
 
 @dataclass(frozen=True)
@@ -107,10 +106,9 @@ class Comparison:
                     raise ConfigError(f"{row.label} {config_tag(config)}: {error}") from None
 
     def comparable(self, run_config: dict[str, Any]) -> dict[str, Any]:
-        """What a run's numbers depend on: its whole run config, defaults included, without
-        the keys that change no number (where it writes, tracking, timeouts)."""
-        return {k: v for k, v in {**self.defaults, **run_config}.items()
-                if k not in NOT_IN_RESULTS}
+        """What a run's numbers depend on (``comparable_config``), today's defaults filling
+        the keys its config lacks."""
+        return comparable_config({**self.defaults, **run_config})
 
     def summary(self, row: Row, stage: str, config: dict[str, Any], seed: int
                 ) -> dict[str, Any] | None:
@@ -229,35 +227,22 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
 def plot(summary: dict[str, Any], out: Path) -> None:
     """accuracy.png: each row's curve (mean over seeds, band: min..max); and
     accuracy-vs-uplink.png: each row's accuracy (± std) against its uplink."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curves = {}
     for label, row in summary["rows"].items():
         # the rounds every seed evaluated (a round whose evaluations were all dropped is
         # missing from its seed's curve)
         common = sorted(set.intersection(*(set(r) for r in row["rounds"].values())))
-        curves = np.array([[dict(zip(row["rounds"][s], c, strict=True))[r] for r in common]
-                           for s, c in row["curves"].items()])
-        ax.plot(common, curves.mean(0), label=label)
-        ax.fill_between(common, curves.min(0), curves.max(0), alpha=0.15)
-    ax.set(xlabel="round", ylabel="personalized accuracy (weighted)")
+        curves[label] = (common, [[dict(zip(row["rounds"][s], c, strict=True))[r]
+                                   for r in common] for s, c in row["curves"].items()])
+    fig, (ax,) = figure(7, 4.5)
+    draw_curves(ax, curves)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for label, row in summary["rows"].items():
-        ax.errorbar(row["mb_up"][0], row["accuracy"][0], yerr=row["accuracy"][1], fmt="o",
-                    label=label)
-    ax.set(xlabel="uplink MB (total, log)", ylabel="accuracy (last 5 rounds)", xscale="log")
+    save(fig, out / "accuracy.png")
+    fig, (ax,) = figure(6, 4.5)
+    draw_accuracy_vs_uplink(ax, {label: (row["mb_up"][0], *row["accuracy"])
+                                 for label, row in summary["rows"].items()})
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy-vs-uplink.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "accuracy-vs-uplink.png")
 
 
 def write_report(summary: dict[str, Any], out: Path, command: str) -> str:

@@ -1,6 +1,9 @@
 """The statistics of a comparison of methods over seeds, one implementation for the compare
 command (``launch/compare.py``) and the evidence matrix (``bench/evidence``).
 
+- A stored run is reused only when what its numbers depend on (``comparable_config``) is
+  today's: its config, filled with today's defaults for the keys added since, equals the
+  config it would run under now.
 - A run is summarized from its results.json (``summarize_run``): its accuracy curve
   (personalized accuracy weighted by test examples, per evaluated round), the lowest
   client's curve, the mean task accuracy's curve (pFedC's figure, where recorded), uplink
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,12 +33,24 @@ LAST_ROUNDS = 5
 SLOPE_ROUNDS = 10
 RISING = 0.002  # accuracy per round over the last SLOPE_ROUNDS: the curve has not flattened
 MB = 1024**2
+# keys that do not change a run's numbers: a stored run that differs only in these is reused
+NOT_IN_RESULTS = frozenset({"output-dir", "resume-from", "plot", "tracking", "device",
+                            "data-cache", "round-timeout", "max-in-flight"})
 
 
 def config_tag(config: Mapping[str, Any]) -> str:
     """A config as part of a file name. No commas: Flower lists a FAB's files as
     ``path,sha256,bits`` lines, so a comma in any file under an app breaks ``flwr run .``."""
     return "+".join(f"{k}={v}" for k, v in sorted(config.items())) or "defaults"
+
+
+def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a run's numbers depend on: its resolved config (the app's defaults under its run
+    config) without the keys that change no number, with a data file named by its file name
+    (the cache folder differs between machines). Two runs whose comparable configs are equal
+    give the same numbers."""
+    return {k: Path(v).name if k == "dataset" and "/" in str(v) else v
+            for k, v in config.items() if k not in NOT_IN_RESULTS}
 
 
 def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:

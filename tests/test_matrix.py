@@ -273,3 +273,11 @@ def test_a_cell_is_stale_when_a_default_its_method_ran_under_changed(tmp_path):
     # a key added since (a new option, its default keeping the old behaviour) is no change
     changed.defaults = {**offline.defaults, "some-new-option": 1}
     assert stored(changed, "fedavg") and stored(changed, "fedfac")
+    # unless today's run sets it to another value than its default
+    setting = Matrix(None, {**COMMON_DIGITS, "some-new-option": 2}, tmp_path, num_clients=3)
+    setting.defaults = changed.defaults
+    assert not stored(setting, "fedavg")
+    # where the pool lies on this machine changes no number
+    moved = Matrix(None, {**COMMON_DIGITS, "dataset": "/elsewhere/digits"}, tmp_path,
+                   num_clients=3)
+    assert stored(moved, "fedavg")

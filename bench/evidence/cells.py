@@ -18,12 +18,11 @@ from bench.evidence.protocol import (
     cells_folder,
     expand,
     learning_rate_stage,
-    same_settings,
     settings_stage,
 )
 from bench.report import RESULTS, produced_by
 from common.config import app_defaults, app_packages
-from launch.comparison import config_tag, run_figures, summarize_run
+from launch.comparison import comparable_config, config_tag, run_figures, summarize_run
 from launch.federation import LocalFederation
 from strategies.registry import REGISTRY
 
@@ -80,8 +79,11 @@ class Matrix:
         resolved = self.resolved(item.method, run_config)
         if path.exists():
             stored = json.loads(path.read_text())
-            if ("resolved_config" in stored and same_settings(stored["resolved_config"], resolved)
-                    and stored.get("num_clients") == self.clients(scenario)):
+            # filled with today's defaults: a key added since (a new option, its default
+            # keeping the old behaviour) is no change; a changed default or setting is
+            if ("resolved_config" in stored and stored.get("num_clients") == self.clients(scenario)
+                    and comparable_config(self.resolved(item.method, stored["resolved_config"]))
+                    == comparable_config(resolved)):
                 return stored
             print(f"{path}: ran under another protocol (COMMON, the pool, the scenario, the "
                   "number of clients or a default changed since); not used", file=sys.stderr)

@@ -180,22 +180,6 @@ def cell_path(out: Path, scenario: str, label: str, stage: str, config: dict[str
             / f"{stage}-{config_tag(config)}-seed{seed}.json")
 
 
-def comparable_config(run_config: dict[str, Any]) -> dict[str, Any]:
-    """What a cell's numbers depend on: its run config without where it wrote, with the pool
-    named by its file name (the cache folder differs between machines)."""
-    return {k: Path(v).name if k == "dataset" and "/" in str(v) else v
-            for k, v in run_config.items() if k != "output-dir"}
-
-
-def same_settings(stored: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether a stored cell's resolved configuration (the app's defaults under its run
-    config) is today's: every key both have is equal and none was removed since. A key added
-    since (a new option, its default keeping the old behaviour) does not make it stale; a
-    changed default does."""
-    stored, current = comparable_config(stored), comparable_config(current)
-    return set(stored) <= set(current) and all(current[k] == v for k, v in stored.items())
-
-
 def pool_file(size: int = POOL_SIZE) -> Path:
     """The subsample of Fashion-MNIST's training images every cell reads, written once."""
     path = Path("~/.cache/pflower/bench").expanduser() / f"fashion-mnist-{size}.npz"

@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import claim_line, claims
@@ -16,6 +14,7 @@ from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
 from launch.comparison import RISING, config_tag, last_rounds_mean
+from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 
 
 def flag(row: dict[str, Any]) -> str:
@@ -99,37 +98,23 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
 def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
     """Accuracy per round (mean, band = min..max over seeds), one figure per scenario, and
     accuracy (last 5 rounds) against total uplink MB; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     written = []
     for scenario, rows in stats.items():
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for label, row in rows.items():
-            curves = np.array([c["accuracy_per_round"] for c in row["cells"]])
-            x = row["cells"][0]["rounds"]
-            ax.plot(x, curves.mean(0), label=label)
-            ax.fill_between(x, curves.min(0), curves.max(0), alpha=0.15)
-        ax.set(title=f"{scenario}: personalized accuracy (weighted)", xlabel="round",
-               ylabel="accuracy")
+        fig, (ax,) = figure(7, 4.5)
+        draw_curves(ax, {label: (row["cells"][0]["rounds"],
+                                 [c["accuracy_per_round"] for c in row["cells"]])
+                         for label, row in rows.items()})
+        ax.set(title=f"{scenario}: personalized accuracy (weighted)", ylabel="accuracy")
         ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / "matrix" / f"accuracy-{scenario}.png", dpi=110)
-        plt.close(fig)
+        save(fig, out / "matrix" / f"accuracy-{scenario}.png")
         written.append(f"accuracy-{scenario}.png")
-    fig, axes = plt.subplots(1, len(stats), figsize=(4.2 * len(stats), 4), squeeze=False)
-    for ax, (scenario, rows) in zip(axes[0], stats.items(), strict=True):
-        for label, row in rows.items():
-            ax.errorbar(row["mb_up"][0], row["accuracy"][0], yerr=row["accuracy"][1],
-                        fmt="o", label=label)
-        ax.set(title=scenario, xlabel="uplink MB (total, log)", ylabel="accuracy (last 5 rounds)",
-               xscale="log")
+    fig, axes = figure(4.2 * len(stats), 4, columns=len(stats))
+    for ax, (scenario, rows) in zip(axes, stats.items(), strict=True):
+        draw_accuracy_vs_uplink(ax, {label: (row["mb_up"][0], *row["accuracy"])
+                                     for label, row in rows.items()})
+        ax.set(title=scenario)
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "matrix" / "accuracy-vs-uplink.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "matrix" / "accuracy-vs-uplink.png")
     return [*written, "accuracy-vs-uplink.png"]
 
 

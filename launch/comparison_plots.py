@@ -1,0 +1,53 @@
+"""The figures of a comparison of methods over seeds, one drawing for the compare command
+(``launch/compare.py``) and the evidence matrix (``bench/evidence/report.py``): each row's
+accuracy per round (mean over seeds, band: min..max) and each row's accuracy (the mean of its
+last rounds, ± std over seeds) against its total uplink."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from launch.comparison import LAST_ROUNDS
+
+# a row's curves: the rounds every seed evaluated, and one curve over them per seed
+Curves = tuple[Sequence[int], Sequence[Sequence[float]]]
+# a row's point: total uplink MB, accuracy mean, accuracy std
+Point = tuple[float, float, float]
+
+
+def figure(width: float, height: float, columns: int = 1) -> tuple[Any, Any]:
+    """A figure of ``columns`` axes side by side, drawn without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, columns, figsize=(width, height), squeeze=False)
+    return fig, axes[0]
+
+
+def draw_curves(ax: Any, rows: Mapping[str, Curves]) -> None:
+    for label, (rounds, curves) in rows.items():
+        array = np.asarray(curves, dtype=float)
+        ax.plot(rounds, array.mean(0), label=label)
+        ax.fill_between(rounds, array.min(0), array.max(0), alpha=0.15)
+    ax.set(xlabel="round", ylabel="personalized accuracy (weighted)")
+
+
+def draw_accuracy_vs_uplink(ax: Any, rows: Mapping[str, Point]) -> None:
+    for label, (mb_up, mean, std) in rows.items():
+        ax.errorbar(mb_up, mean, yerr=std, fmt="o", label=label)
+    ax.set(xlabel="uplink MB (total, log)", ylabel=f"accuracy (last {LAST_ROUNDS} rounds)",
+           xscale="log")
+
+
+def save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
