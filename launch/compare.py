@@ -120,8 +120,8 @@ class Comparison:
         results_path = out / "results.json"
         if results_path.exists():
             stored = json.loads(results_path.read_text())
-            if (stored.get("status") == "completed"
-                    and self.comparable(stored.get("config", {})) ==
+            if (stored.get("status") == "completed" and "config" in stored
+                    and self.comparable(stored["config"]) ==
                     self.comparable(run_config)):
                 return summarize_run(stored)
         if self.federation is None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,7 @@ MB = 1024**2
 # keys that do not change a run's numbers: a stored run that differs only in these is reused
 NOT_IN_RESULTS = frozenset({"output-dir", "resume-from", "plot", "tracking", "device",
                             "data-cache", "round-timeout", "max-in-flight"})
+PROJECT_CACHE = "/.cache/pflower/"  # under a home folder: the project's data cache
 
 
 def config_tag(config: Mapping[str, Any]) -> str:
@@ -46,11 +46,17 @@ def config_tag(config: Mapping[str, Any]) -> str:
 
 def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """What a run's numbers depend on: its resolved config (the app's defaults under its run
-    config) without the keys that change no number, with a data file named by its file name
-    (the cache folder differs between machines). Two runs whose comparable configs are equal
-    give the same numbers."""
-    return {k: Path(v).name if k == "dataset" and "/" in str(v) else v
+    config) without the keys that change no number, a data file in the project's cache named
+    from the cache on (``~/.cache/pflower/bench/...``: the home folder differs between
+    machines; any other path, or a hub name, counts whole). Two runs whose comparable configs
+    are equal give the same numbers."""
+    return {k: _in_cache(v) if k == "dataset" else v
             for k, v in config.items() if k not in NOT_IN_RESULTS}
+
+
+def _in_cache(dataset: Any) -> Any:
+    head, cached, rest = str(dataset).partition(PROJECT_CACHE)
+    return f"~{PROJECT_CACHE}{rest}" if cached and head.startswith("/") else dataset
 
 
 def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,9 @@ from launch.run_config import check_run_config, parse_overrides
 RESULTS_WRITTEN = "[final] results written to"
 SUPEREXEC_POLL_SECONDS = 0.1
 STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
-STREAM_GRACE_SECONDS = 1.0  # after it has finished, for its last lines (streamed each 0.5 s)
+# after the run has finished, for its last lines: the SuperLink ends the stream at its next
+# 0.5 s tick, late on busy cores; a stream that ends sooner ends the wait sooner
+STREAM_GRACE_SECONDS = 10.0
 # Flower's words before the ServerApp's exception in a failed run's status details
 FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
 # Lines Flower 1.41 prints for every simulation that do not hold for ours (its size is set
@@ -233,7 +235,7 @@ class LocalFederation:
             if staged != Path(app_dir):
                 shutil.rmtree(staged, ignore_errors=True)
         lines: list[str] = []
-        primed = threading.Event()
+        primed = threading.Lock()  # held once the next run's workers have been asked for
         stream_ended = threading.Event()
 
         def read() -> None:
@@ -255,34 +257,51 @@ class LocalFederation:
         reader.start()
         deadline = time.monotonic() + timeout
         with self.control_client() as control:
-            while reader.is_alive() and time.monotonic() < deadline:
+            while (reader.is_alive() and time.monotonic() < deadline
+                   and self._superlink_alive()):
                 reader.join(STATUS_POLL_SECONDS)
                 # a stream that broke off (a dropped connection) does not end the wait: the
                 # SuperLink's record of the run's end does
                 if reader.is_alive() and _finished(control, run_id):
                     reader.join(STREAM_GRACE_SECONDS)  # the last lines on their way
                     break
-            while not reader.is_alive() and not stream_ended.is_set() and (
-                    time.monotonic() < deadline) and not _finished(control, run_id):
+            while (not reader.is_alive() and not stream_ended.is_set()
+                   and time.monotonic() < deadline and self._superlink_alive()
+                   and not _finished(control, run_id)):
                 time.sleep(STATUS_POLL_SECONDS)
-            runs = _list_runs(control, run_id)
+            if not self._superlink_alive():
+                return FlowerRun(1, "".join(lines) + "flwr run: the SuperLink exited during "
+                                 f"the run (see {self.home}/superlink.log)\n", run_id, "")
+            run, unread = _final_status(control, run_id)
         self._prime(primed)
         output = "".join(lines)
-        if not runs or not runs[0]["status"].startswith("finished"):
+        if run is None:
+            return FlowerRun(1, output + f"flwr run: the run's status could not be read: "
+                             f"{unread}\n", run_id, "")
+        if not run["status"].startswith("finished"):
             # past its timeout: the run is stopped, not left running beside the next one
-            with contextlib.suppress(OSError, httpx.HTTPError):
+            # (Flower ends its process at the process's next heartbeat, within half a minute)
+            try:
                 self.stop(run_id)
+            except (OSError, httpx.HTTPError) as error:
+                output += f"flwr run: stopping the run failed: {error}\n"
             return FlowerRun(124, output + f"flwr run: no end within {timeout:.0f} s\n",
-                             run_id, runs[0]["status"] if runs else "")
-        status = runs[0]["status"]
-        details = runs[0].get("status-details", "") if status != "finished:completed" else ""
+                             run_id, run["status"])
+        status = run["status"]
+        details = run.get("status-details", "") if status != "finished:completed" else ""
         return FlowerRun(0, output, run_id, status, FAILED_WITH.sub("", details))
 
-    def _prime(self, primed: threading.Event) -> None:
+    def _superlink_alive(self) -> bool:
+        """False once the SuperLink this federation started has exited (one it joined is
+        taken to be up)."""
+        return self.process is None or self.process.poll() is None
+
+    def _prime(self, primed: threading.Lock) -> None:
         """Have the Ray head start the next run's workers (once a run, in the background):
-        as soon as the ServerApp has written its results, while Flower winds the run down."""
-        if self.ray_head is not None and not primed.is_set():
-            primed.set()
+        as soon as the ServerApp has written its results, while Flower winds the run down.
+        ``primed``: the run's lock, taken by the first call (the stream reader's or the
+        waiting thread's)."""
+        if self.ray_head is not None and primed.acquire(blocking=False):
             threading.Thread(target=self.ray_head.prime, daemon=True).start()
 
     def control_client(self) -> Any:
@@ -360,6 +379,24 @@ def _start_run(control: Any, app: Path, run_config: dict[str, Any],
     if not response.HasField("run_id"):
         raise ValueError("the SuperLink did not start the run")
     return response.run_id
+
+
+def _final_status(control: Any, run_id: str, attempts: int = 3
+                  ) -> tuple[dict[str, str] | None, str]:
+    """The run's record once the wait is over, and why it could not be read (None, the reason:
+    the SuperLink busy or unreachable each time, or no such run)."""
+    import httpx
+
+    reason = ""
+    for attempt in range(attempts):
+        try:
+            runs = _list_runs(control, run_id)
+            return (runs[0], "") if runs else (None, f"the SuperLink has no run {run_id}")
+        except (httpx.HTTPError, OSError) as error:
+            reason = str(error) or type(error).__name__
+            if attempt + 1 < attempts:
+                time.sleep(attempt + 1)
+    return None, reason
 
 
 def _finished(control: Any, run_id: str) -> bool:

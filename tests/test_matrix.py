@@ -277,7 +277,12 @@ def test_a_cell_is_stale_when_a_default_its_method_ran_under_changed(tmp_path):
     setting = Matrix(None, {**COMMON_DIGITS, "some-new-option": 2}, tmp_path, num_clients=3)
     setting.defaults = changed.defaults
     assert not stored(setting, "fedavg")
-    # where the pool lies on this machine changes no number
-    moved = Matrix(None, {**COMMON_DIGITS, "dataset": "/elsewhere/digits"}, tmp_path,
-                   num_clients=3)
-    assert stored(moved, "fedavg")
+    # the pool in another home's cache (another machine) is the same pool; another file of
+    # the same name is not
+    home = Matrix(None, {**COMMON_DIGITS, "dataset": "/root/.cache/pflower/bench/pool.npz"},
+                  tmp_path / "home", num_clients=3)
+    _store(home, "dirichlet-0.1", rows["fedavg"], {"lr": 0.05}, [0.5] * 2)
+    for dataset, same in (("/home/me/.cache/pflower/bench/pool.npz", True),
+                          ("/data/bench/pool.npz", False), ("pool.npz", False)):
+        home.common = {**COMMON_DIGITS, "dataset": dataset}
+        assert stored(home, "fedavg") is same, dataset

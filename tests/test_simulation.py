@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from flwr.app import ArrayRecord
 
 from launch.federation import LocalFederation
+from launch.processes import stop_process_groups
 from strategies.registry import build_model, load_settings
 from tests.conftest import (
     REFERENCE,
@@ -17,6 +19,7 @@ from tests.conftest import (
     check_results_schema,
     copy_app,
     read_results,
+    run_in_background,
     wait_for,
 )
 
@@ -147,6 +150,23 @@ def test_a_run_past_its_timeout_is_stopped(federation, tmp_path):
     assert "no end within 8 s" in run.output
     wait_for(lambda: federation.runs(run.run_id)[0]["status"].startswith("finished"), 60)
     assert federation.runs(run.run_id)[0]["status"] == "finished:stopped"
+
+
+def test_a_run_whose_superlink_exits_ends_at_once_and_says_so(tmp_path):
+    """Not the run's timeout later (4 hours for the compare command): the launcher sees the
+    SuperLink it started exit and returns. A federation of its own: its SuperLink is
+    stopped, with every process it started, in the middle of a run."""
+    with LocalFederation(home=tmp_path / "flwr") as own:
+        runner, result = run_in_background(own, quick(tmp_path, **{"num-server-rounds": 200}))
+        wait_for(lambda: any(r["status"] == "running" for r in own.runs()), 120, poll=0.2)
+        stop_process_groups(own.process, 5)
+        stopped = time.monotonic()
+        runner.join(60)
+        assert not runner.is_alive()
+        assert time.monotonic() - stopped < 10
+    run = result["run"]
+    assert run.returncode == 1 and not run.ok
+    assert "the SuperLink exited during the run" in run.output
 
 
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(shared_runs):
