@@ -356,3 +356,31 @@ def test_real_round_sends_different_downlinks_to_different_label_sets(federation
     # round 2's train downlink: phi + the two held branches per client, fewer bytes than all
     assert rounds[1]["bytes_down_train"] < rounds[0]["bytes_down_train"]
     assert rounds[1]["bytes_up"] == rounds[1]["bytes_down_train"]
+
+
+def test_personal_branches_ablation_sends_each_client_its_own_branches_back():
+    """``pfedc.branches = "personal"``: phi is still averaged (eq. 6), no branch is (eq. 7
+    off): a class both clients hold comes back to each as it sent it."""
+    personal = {"pfedc.branches": "personal"}
+    strategy = _strategy(**personal)
+    arrays = initial_state(strategy.settings).arrays
+    replies, sent_by = [], {}
+    for pid, value in ((0, 1.0), (1, 5.0)):
+        client = _client(pid, **personal)
+        sent = client.shared_arrays(client.model(arrays), arrays)
+        filled = ArrayRecord({k: Array(np.full_like(sent[k].numpy(), value)) for k in sent})
+        sent_by[client.client_id] = filled
+        replies.append(ClientReply(pid, client.client_id, filled,
+                                   MetricRecord({"num-examples": 10}), client.identity()))
+    shared_branches = set.intersection(*({k for k in s if k not in strategy.wire.phi_keys}
+                                         for s in sent_by.values()))
+    assert shared_branches  # a class both hold: averaged, it would come back as 3.0
+    merged = strategy.aggregate_train(1, replies, arrays)
+    for key in shared_branches:  # what a client not seen yet receives: the initial branch
+        np.testing.assert_array_equal(merged[key].numpy(), arrays[key].numpy())
+    for cid, sent in sent_by.items():
+        down = strategy.downlink(2, cid, merged)
+        for key in strategy.wire.phi_keys:
+            np.testing.assert_allclose(down[key].numpy(), 3.0, rtol=1e-6)
+        for key in shared_branches:
+            np.testing.assert_array_equal(down[key].numpy(), sent[key].numpy())

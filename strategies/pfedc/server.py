@@ -8,6 +8,9 @@ weights of the wire spec. ``pfedc.weighting = "uniform"`` (default): ``w_n^t = p
 ``"counts"`` (an option, not the paper's rule): ``w_n^t`` = the client's examples of ``t``'s
 classes. Client ``i`` receives ``phi`` and ``omega^t`` for the tasks it holds (per-node
 downlink); its other branches stay its own, never touched by the server.
+``pfedc.branches = "personal"`` (an ablation, not the paper's rule): no branch is averaged;
+client ``i`` receives its own latest branches back, everything else unchanged, so that a run
+measures what eq. 7's averaging is worth.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class PFedCStrategy(Strategy[PFedCSettings]):
             self.task_weights[reply.client_id] = self.wire.task_weights(reply.info)
             self.branches[reply.client_id] = {k: reply.arrays[k].numpy() for k in reply.arrays
                                               if branch_of_key(k) is not None}
-        averaged = masked_branch_average(self.branches, self.task_weights, self.keys_of_task)
+        averaged = (masked_branch_average(self.branches, self.task_weights, self.keys_of_task)
+                    if self.settings.method_settings.branches == "averaged" else {})
         merged = {k: phi[k] for k in phi_keys}
         for keys in self.keys_of_task.values():
             for name in keys:  # a task nobody holds keeps its previous value
@@ -75,7 +79,10 @@ class PFedCStrategy(Strategy[PFedCSettings]):
         weights = self.task_weights.get(client_id) if client_id is not None else None
         if weights is None:
             return arrays
-        return ArrayRecord({k: arrays[k] for k in self.wire.held_keys(list(arrays), weights)})
+        own = (self.branches[client_id]
+               if self.settings.method_settings.branches == "personal" else {})
+        return ArrayRecord({k: Array(own[k]) if k in own else arrays[k]
+                            for k in self.wire.held_keys(list(arrays), weights)})
 
     def state_tables(self) -> dict[str, Any]:
         return {"pfedc": {"task_weights": self.task_weights}}

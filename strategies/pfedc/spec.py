@@ -37,6 +37,7 @@ class PFedCSettings(KeyGroup):
     tasks: int = config_key("pfedc.tasks", low=0)
     mgda: bool = config_key("pfedc.mgda")
     weighting: str = config_key("pfedc.weighting", choices=("uniform", "counts"))
+    branches: str = config_key("pfedc.branches", choices=("averaged", "personal"))
 
 
 def check(settings: RunSettings[PFedCSettings], model: nn.Module) -> None:
