@@ -90,13 +90,15 @@ def bundle_files(app_dir: str | Path, into: Path) -> Path:
 class FlowerRun:
     """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
 
-    # 0: the run ended (``status`` says how); 1: it was not started (``output`` says why);
-    # 124: it had not ended within the launcher's timeout, and was stopped
+    # 0: the run ended (``status`` says how); 1: it was not started, or its SuperLink exited
+    # or could not say how it ended (``output`` says why); 124: it had not ended within the
+    # launcher's timeout, and was stopped
     returncode: int
     output: str
     run_id: str | None
     status: str  # e.g. "finished:completed", "finished:failed"; "" if the run never started
     reason: str = ""  # why it failed: the ServerApp's one line (Flower's status details)
+    # or, with returncode 1 after the start, the launcher's
 
     @property
     def ok(self) -> bool:
@@ -269,15 +271,18 @@ class LocalFederation:
                    and time.monotonic() < deadline and self._superlink_alive()
                    and not _finished(control, run_id)):
                 time.sleep(STATUS_POLL_SECONDS)
-            if not self._superlink_alive():
-                return FlowerRun(1, "".join(lines) + "flwr run: the SuperLink exited during "
-                                 f"the run (see {self.home}/superlink.log)\n", run_id, "")
-            run, unread = _final_status(control, run_id)
-        self._prime(primed)
+            run, unread = (_final_status(control, run_id) if self._superlink_alive()
+                           else (None, ""))
+            if run is None and self.process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(5)  # a SuperLink stopping refuses connections first
         output = "".join(lines)
         if run is None:
-            return FlowerRun(1, output + f"flwr run: the run's status could not be read: "
-                             f"{unread}\n", run_id, "")
+            why = (f"the SuperLink exited during the run (see {self.home}/superlink.log)"
+                   if not self._superlink_alive()
+                   else f"the run's status could not be read: {unread}")
+            return FlowerRun(1, output + f"flwr run: {why}\n", run_id, "", why)
+        self._prime(primed)
         if not run["status"].startswith("finished"):
             # past its timeout: the run is stopped, not left running beside the next one
             # (Flower ends its process at the process's next heartbeat, within half a minute)

@@ -167,6 +167,7 @@ def test_a_run_whose_superlink_exits_ends_at_once_and_says_so(tmp_path):
     run = result["run"]
     assert run.returncode == 1 and not run.ok
     assert "the SuperLink exited during the run" in run.output
+    assert run.reason.startswith("the SuperLink exited")  # what the compare command reports
 
 
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(shared_runs):
