@@ -271,7 +271,7 @@ class LocalFederation:
                    and time.monotonic() < deadline and self._superlink_alive()
                    and not _finished(control, run_id)):
                 time.sleep(STATUS_POLL_SECONDS)
-            run, unread = (_final_status(control, run_id) if self._superlink_alive()
+            run, unread = (_run_record(control, run_id) if self._superlink_alive()
                            else (None, ""))
             if run is None and self.process is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -386,10 +386,10 @@ def _start_run(control: Any, app: Path, run_config: dict[str, Any],
     return response.run_id
 
 
-def _final_status(control: Any, run_id: str, attempts: int = 3
-                  ) -> tuple[dict[str, str] | None, str]:
-    """The run's record once the wait is over, and why it could not be read (None, the reason:
-    the SuperLink busy or unreachable each time, or no such run)."""
+def _run_record(control: Any, run_id: str, attempts: int = 3
+                ) -> tuple[dict[str, str] | None, str]:
+    """The run's record (``runs``), asked up to ``attempts`` times, and why it could not be
+    read (None, the reason: the SuperLink busy or unreachable each time, or no such run)."""
     import httpx
 
     reason = ""
@@ -407,13 +407,8 @@ def _final_status(control: Any, run_id: str, attempts: int = 3
 def _finished(control: Any, run_id: str) -> bool:
     """Whether the SuperLink has recorded the run's end; a question it cannot answer now
     (busy, a dropped connection) is asked again at the next poll."""
-    import httpx
-
-    try:
-        runs = _list_runs(control, run_id)
-    except (httpx.HTTPError, OSError):
-        return False
-    return bool(runs) and runs[0]["status"].startswith("finished")
+    run, _ = _run_record(control, run_id, attempts=1)
+    return run is not None and run["status"].startswith("finished")
 
 
 @contextlib.contextmanager

@@ -10,38 +10,49 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from client_app.runtime import use_thread_budget
+from launch.federation import FlowerRun
 from launch.processes import descendants
 from tests.conftest import ROOT
 
 SMALL = {"method": "fedavg", "num-server-rounds": 1, "local-epochs": 1, "plot": False}
 
 
-def _run_and_watch(federation, config: dict, server_pid: int) -> set[str]:
-    """Run ``config``, noting the names of the fork server's children while it runs (and
-    "ok" if it completed)."""
-    names: set[str] = set()
+def _run_watching(federation, config: dict, look: Callable[[], None]) -> FlowerRun:
+    """Run ``config`` on 2 clients, calling ``look`` every 50 ms while it runs."""
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            for pid in descendants(server_pid):
-                with contextlib.suppress(OSError):
-                    names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+            look()
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        run = federation.run(ROOT, config, num_supernodes=2, timeout=600)
+        return federation.run(ROOT, config, num_supernodes=2, timeout=600)
     finally:
         done.set()
         watcher.join()
+
+
+def _run_and_watch(federation, config: dict, server_pid: int) -> set[str]:
+    """Run ``config``, noting the names of the fork server's children while it runs (and
+    "ok" if it completed)."""
+    names: set[str] = set()
+
+    def look() -> None:
+        for pid in descendants(server_pid):
+            with contextlib.suppress(OSError):
+                names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+
+    run = _run_watching(federation, config, look)
     return names | ({"ok"} if run.ok else set())
 
 
@@ -78,23 +89,13 @@ def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(fed
         last, primed = primed, _primed_workers(head)
     assert len(primed) >= (os.cpu_count() or 1), primed  # one per CPU, PyTorch imported
     titles: dict[int, set[bytes]] = {pid: set() for pid in primed}
-    done = threading.Event()
 
-    def watch() -> None:  # what each primed worker runs while the next run is under way
-        while not done.is_set():
-            for pid, seen_titles in titles.items():
-                with contextlib.suppress(OSError):
-                    seen_titles.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])
-            time.sleep(0.05)
+    def look() -> None:  # what each primed worker runs while the next run is under way
+        for pid, seen_titles in titles.items():
+            with contextlib.suppress(OSError):
+                seen_titles.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        second = federation.run(ROOT, {**SMALL, "output-dir": str(tmp_path / "b")},
-                                num_supernodes=2)
-    finally:
-        done.set()
-        watcher.join()
+    second = _run_watching(federation, {**SMALL, "output-dir": str(tmp_path / "b")}, look)
     assert second.ok, second.output[-3000:]
     # The run's actors were created in primed workers: such a worker's title turns from
     # ray::IDLE to the actor's. Other idle workers of the session's earlier runs may serve some
