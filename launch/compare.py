@@ -42,6 +42,7 @@ from launch.comparison import (
     config_tag,
     method_stats,
     paired_difference,
+    points,
     run_figures,
     summarize_run,
 )
@@ -208,9 +209,7 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
         elif versus is None:
             diff = "no common seed" if reference in summary["rows"] else "-"
         else:
-            interval = ("" if versus["ci95"] is None else
-                        f" [{100 * versus['ci95'][0]:+.1f}, {100 * versus['ci95'][1]:+.1f}]")
-            diff = f"{100 * versus['mean_diff']:+.1f}{interval}"
+            diff = points(versus)
         lines.append(
             f"| {label} | {config_tag(row['chosen'])} | {len(row['seeds'])} | "
             f"{row['accuracy'][0]:.4f} ± {row['accuracy'][1]:.4f} | "

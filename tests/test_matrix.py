@@ -4,6 +4,7 @@ computed from the stored runs, and the claim verdicts."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 
@@ -13,7 +14,7 @@ from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.claims import claims
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import write_report
+from bench.evidence.report import ablation_table, write_report
 from launch.comparison import config_tag
 from tests.conftest import ROOT
 
@@ -173,6 +174,31 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
     stats["pathological-2"]["pfedc"]["tuned"] = False
     assert {c["claim"]: c for c in claims(stats)}[
         "pFedC >= FedAvg + 5 points on pathological-2"]["verdict"] == "not measured"
+
+
+def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
+    """As a claim is judged: per seed against its row, on the seeds both have."""
+    row = _row([0.60, 0.62, 0.58, 0.61, 0.59]) | {"config": "lr=0.02"}
+    gains = [0.060, 0.063, 0.057, 0.061, 0.059]
+    probe = protocol.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
+
+    def table(per_seed: list[float], seeds: list[int]) -> str:
+        ablation = {seed: {"accuracy": a} for seed, a in zip(seeds, per_seed, strict=True)}
+        return ablation_table({("dirichlet-0.1", "feddecomp", "feddecomp.rank=1.0"): {
+            "ablation": probe, "row": row, "seeds": len(seeds), "per_seed": ablation,
+            "accuracy": (statistics.fmean(per_seed), 0.0), "accuracy_min": (0.5, 0.0)}})
+
+    shifted = [a["accuracy"] + g for a, g in zip(row["per_seed"].values(), gains, strict=True)]
+    last = table(shifted, [1, 2, 3, 4, 5]).splitlines()[-1]
+    mean, low, high = map(float, re.search(r"\| ([+-][\d.]+) \[([+-][\d.]+), ([+-][\d.]+)\] \|$",
+                                           last).groups())
+    assert mean == 6.0 and 5.0 < low < mean < high < 7.0  # +6 give or take 0.3 on each seed
+    # an ablation run on seeds 2 and 4 only is paired with the row's seeds 2 and 4 (+6.2),
+    # not with the row's mean over all five (+7.7)
+    assert table([shifted[1], shifted[3]], [2, 4]).splitlines()[-1].endswith(
+        "| +6.2 [+4.9, +7.5] |")
+    # one common seed: the difference alone
+    assert table([0.70], [5]).splitlines()[-1].endswith("| +11.0 |")
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ from bench.evidence.claims import claim_line, claims
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
-from launch.comparison import RISING, config_tag, last_rounds_mean
+from launch.comparison import RISING, config_tag, last_rounds_mean, paired_difference, points
 from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 
 
@@ -81,17 +81,23 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
 
 
 def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
-    """Each ablation against its row, both on the report seeds."""
+    """Each ablation against its row, both on the report seeds: the paired difference and its
+    95% interval, as a claim is judged."""
     lines = ["| row | change | question | seeds | acc, last 5 rounds (mean ± std) | min client | "
-             "row's acc | difference (points) |", "|---|---|---|---|---|---|---|---|"]
+             "row's acc | difference (points) [95% interval] |",
+             "|---|---|---|---|---|---|---|---|"]
     for result in ablated.values():
         ablation, row = result["ablation"], result["row"]
         mean, std = result["accuracy"]
+        difference = paired_difference(
+            {s: f["accuracy"] for s, f in result["per_seed"].items()},
+            {s: f["accuracy"] for s, f in row["per_seed"].items()})
         lines.append(
             f"| {ablation.scenario}/{ablation.label} ({row['config']}) | "
             f"{config_tag(ablation.change)} | {ablation.question} | {result['seeds']} | "
             f"{mean:.4f} ± {std:.4f} | {result['accuracy_min'][0]:.4f} | "
-            f"{row['accuracy'][0]:.4f} | {100 * (mean - row['accuracy'][0]):+.1f} |")
+            f"{row['accuracy'][0]:.4f} | "
+            f"{'no common seed' if difference is None else points(difference)} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
