@@ -38,10 +38,10 @@ from typing import Any
 from common.config import ConfigError, app_defaults
 from launch.comparison import (
     RISING,
+    accuracy_difference,
     comparable_config,
     config_tag,
     method_stats,
-    paired_difference,
     points,
     run_figures,
     summarize_run,
@@ -180,9 +180,7 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
     base = summary["rows"].get(reference)
     for label, row_stats in summary["rows"].items():
         if base is not None and label != reference:
-            row_stats["versus_reference"] = paired_difference(
-                {s: f["accuracy"] for s, f in row_stats["per_seed"].items()},
-                {s: f["accuracy"] for s, f in base["per_seed"].items()})
+            row_stats["versus_reference"] = accuracy_difference(row_stats, base)
     return summary
 
 

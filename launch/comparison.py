@@ -142,6 +142,14 @@ def paired_difference(values: Mapping[int, float], reference: Mapping[int, float
     return {"seeds": seeds, "paired_diffs": diffs, "mean_diff": mean, "ci95": ci95}
 
 
+def accuracy_difference(method: Mapping[str, Any], reference: Mapping[str, Any]
+                        ) -> dict[str, Any] | None:
+    """``paired_difference`` of two methods' per-seed accuracies (each with ``per_seed`` as
+    ``method_stats`` gives it)."""
+    return paired_difference({s: f["accuracy"] for s, f in method["per_seed"].items()},
+                             {s: f["accuracy"] for s, f in reference["per_seed"].items()})
+
+
 def points(difference: Mapping[str, Any]) -> str:
     """A paired difference (``paired_difference``) in accuracy points with its 95% interval,
     ``+6.7 [+5.8, +7.6]``; the mean alone for a single seed."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
-from launch.comparison import config_tag, paired_difference
+from launch.comparison import accuracy_difference, config_tag
 
 BEST_BASELINE = BASELINES
 
@@ -100,8 +100,7 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
             reference = {"label": label, "per_seed": best["per_seed"]}
     if not complete(row) or reference is None:
         return record
-    diff = paired_difference({s: f["accuracy"] for s, f in row["per_seed"].items()},
-                             {s: f["accuracy"] for s, f in reference["per_seed"].items()})
+    diff = accuracy_difference(row, reference)
     low, high = diff["ci95"] or (diff["mean_diff"], diff["mean_diff"])
     held = diff["ci95"] is not None and low >= claim.margin
     record.update(reference=reference["label"], paired_diffs=diff["paired_diffs"],

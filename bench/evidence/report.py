@@ -13,7 +13,7 @@ from bench.evidence.claims import claim_line, claims
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
-from launch.comparison import RISING, config_tag, last_rounds_mean, paired_difference, points
+from launch.comparison import RISING, accuracy_difference, config_tag, last_rounds_mean, points
 from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 
 
@@ -89,9 +89,7 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
     for result in ablated.values():
         ablation, row = result["ablation"], result["row"]
         mean, std = result["accuracy"]
-        difference = paired_difference(
-            {s: f["accuracy"] for s, f in result["per_seed"].items()},
-            {s: f["accuracy"] for s, f in row["per_seed"].items()})
+        difference = accuracy_difference(result, row)
         lines.append(
             f"| {ablation.scenario}/{ablation.label} ({row['config']}) | "
             f"{config_tag(ablation.change)} | {ablation.question} | {result['seeds']} | "
