@@ -163,6 +163,11 @@ ABLATIONS = [
               "factorized-fl.epsilon": 1.0, "factorized-fl.min-aggregated": 1},
              "The whole body shared and averaged over all clients with the default, near-equal "
              "weights, as FedPer does: what the factorized layers cost."),
+    # On rotated groups (inputs differ, labels do not) Factorized-FL is 4 points below FedBN,
+    # which shares all but BatchNorm: again what it keeps personal?
+    Ablation("feature-shift", "factorized-fl", {"factorized-fl.variant": "uvm"},
+             "u, v and mu of every layer shared (Factorized-FL beta), all else the row's: what "
+             "keeping v and mu personal costs when the groups differ in their inputs."),
 ]
 
 
