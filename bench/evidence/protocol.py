@@ -167,12 +167,12 @@ ABLATIONS = [
                     "factorized-fl.epsilon": 1.0, "factorized-fl.min-aggregated": 1},
                    "The whole body shared and averaged over all clients with the default, "
                    "near-equal weights, as FedPer does: what the factorized layers cost."))),
-    # FedDecomp is 6 points below the personalized baselines on cross-device, where clients
+    # FedDecomp is 8 points below FedPer on cross-device, where clients
     # hold 10 to 145 images: its paper's 1/N mean of sigma assumes clients of equal size.
     Ablation("cross-device", "feddecomp", {"feddecomp.weighting": "examples"},
              "sigma averaged with FedAvg's example weights instead of the paper's 1/N, all "
              "else the row's: what equal weights cost when client sizes differ 15-fold."),
-    # pFedC is 4 points below FedPer on cross-device; MGDA-UB was the part that cost it on
+    # pFedC is 6 points below FedPer on cross-device; MGDA-UB was the part that cost it on
     # pathological 2, and a client of a few dozen images gives it noisy task gradients.
     Ablation("cross-device", "pfedc", {"pfedc.mgda": False},
              "Equal task weights instead of MGDA-UB's, all else the row's."),
