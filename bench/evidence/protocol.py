@@ -137,6 +137,18 @@ class Ablation:
 
 SAME_SIZE_RANDOM_SPLIT = {"fedfac.split": "random"}
 
+
+def pfedc_without_mgda(scenario: str) -> Ablation:
+    return Ablation(scenario, "pfedc", {"pfedc.mgda": False},
+                    "Equal task weights instead of MGDA-UB's, all else the row's.")
+
+
+def factorized_fl_all_shared(scenario: str) -> Ablation:
+    return Ablation(scenario, "factorized-fl", {"factorized-fl.variant": "uvm"},
+                    "u, v and mu of every layer shared (Factorized-FL beta), all else the "
+                    "row's: what keeping v and mu personal costs.")
+
+
 ABLATIONS = [
     # The reference FedFac's split claim needs: the row's own tuned configuration (so the
     # same layers and threshold, hence as many shared elements as estimated), the elements
@@ -150,8 +162,7 @@ ABLATIONS = [
     Ablation("pathological-2", "pfedc", {"pfedc.branches": "personal"},
              "Class branches kept personal (eq. 7's averaging off), all else the row's: what "
              "the averaging is worth."),
-    Ablation("pathological-2", "pfedc", {"pfedc.mgda": False},
-             "Equal task weights instead of MGDA-UB's, all else the row's."),
+    pfedc_without_mgda("pathological-2"),
     # Factorized-FL is below the baselines that share the whole body on both of its scenarios:
     # 8 points below FedPer on permuted labels (level with Local), 4 below FedBN on rotated
     # groups; with label skew added, half a point below Local with an interval across the
@@ -159,27 +170,22 @@ ABLATIONS = [
     *(ablation
       for scenario in ("permuted-labels", "feature-shift", "feature-shift-skew")
       for ablation in (
-          Ablation(scenario, "factorized-fl", {"factorized-fl.variant": "uvm"},
-                   "u, v and mu of every layer shared (Factorized-FL beta), all else the "
-                   "row's: what keeping v and mu personal costs."),
+          factorized_fl_all_shared(scenario),
           Ablation(scenario, "factorized-fl",
                    {"factorized-fl.variant": "uvm", "factorized-fl.tau": 0.0,
                     "factorized-fl.epsilon": 1.0, "factorized-fl.min-aggregated": 1},
                    "The whole body shared and averaged over all clients with the default, "
                    "near-equal weights, as FedPer does: what the factorized layers cost."))),
-    # FedDecomp is 8 points below FedPer on cross-device, where clients
-    # hold 10 to 145 images: its paper's 1/N mean of sigma assumes clients of equal size.
+    # FedDecomp is 8 points below FedPer on cross-device, where clients hold 10 to 145
+    # images: its paper's 1/N mean of sigma assumes clients of equal size.
     Ablation("cross-device", "feddecomp", {"feddecomp.weighting": "examples"},
              "sigma averaged with FedAvg's example weights instead of the paper's 1/N, all "
              "else the row's: what equal weights cost when client sizes differ 15-fold."),
     # pFedC is 6 points below FedPer on cross-device; MGDA-UB was the part that cost it on
     # pathological 2, and a client of a few dozen images gives it noisy task gradients.
-    Ablation("cross-device", "pfedc", {"pfedc.mgda": False},
-             "Equal task weights instead of MGDA-UB's, all else the row's."),
+    pfedc_without_mgda("cross-device"),
     # Factorized-FL keeps v and mu personal; a client trains about 8 times in 80 rounds.
-    Ablation("cross-device", "factorized-fl", {"factorized-fl.variant": "uvm"},
-             "u, v and mu of every layer shared (Factorized-FL beta), all else the row's: "
-             "what keeping v and mu personal costs."),
+    factorized_fl_all_shared("cross-device"),
 ]
 
 
