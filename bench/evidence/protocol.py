@@ -189,6 +189,9 @@ ABLATIONS = [
     Ablation("cross-device", "feddecomp", {"feddecomp.lora-epochs": 4},
              "4 of the 5 local epochs on the personal B A instead of the paper's 2, all else "
              "the row's: is the personal part trained too little in a client's few visits?"),
+    Ablation("cross-device", "feddecomp", {"feddecomp.tau-scale": "none"},
+             "tau = B A instead of the authors' B A / r, all else the row's: does the LoRA "
+             "scale keep the personal part too small to move in a client's few visits?"),
     # pFedC is 6 points below FedPer on cross-device; MGDA-UB was the part that cost it on
     # pathological 2, and a client of a few dozen images gives it noisy task gradients.
     pfedc_without_mgda("cross-device"),
