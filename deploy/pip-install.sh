@@ -4,7 +4,7 @@
 # the host's own wheel cache) when that folder has any, with no index; otherwise from PyPI, with
 # the CA bundle passed as the build secret `pip-cert` when there is one (it is never stored in
 # the image).
-#   pip-install.sh SPEC...                         e.g. flwr==1.41.0
+#   pip-install.sh SPEC...                         e.g. flwr==1.42.0
 #   pip-install.sh --deps-of pyproject.toml        the project's dependencies but flwr (in the image)
 set -eu
 if [ "$1" = --deps-of ]; then

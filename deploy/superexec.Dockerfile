@@ -2,7 +2,7 @@
 # deploy/build-images.sh), pinned to the project's flwr. The app code itself arrives as a FAB
 # with each `flwr run`; only dependencies live here. Build context: the repository root (see
 # .dockerignore); BuildKit (docker compose build, or deploy/build-images.sh).
-FROM flwr/superexec:1.41.0
+FROM flwr/superexec:1.42.0
 # flwr is already in the image (same version): install the other dependencies, from
 # deploy/wheelhouse when it has wheels for the image's Python, else from PyPI.
 RUN --mount=type=bind,source=pyproject.toml,target=/tmp/pyproject.toml \

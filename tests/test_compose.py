@@ -108,7 +108,7 @@ def test_tls_profile_authenticates_supernodes(tmp_path):
         refused = stack.docker(
             "run", "--name", intruder, "--network", f"{stack.project}_link",
             "-v", f"{certs / 'ca.crt'}:/app/certs/ca.crt:ro", "-v", f"{key}:/app/key:ro",
-            "flwr/supernode:1.41.0", "--root-certificates", "certs/ca.crt", "--superlink",
+            "flwr/supernode:1.42.0", "--root-certificates", "certs/ca.crt", "--superlink",
             "superlink:8000", "--auth-supernode-private-key", "key", "--max-retries", "2",
             "--node-config", "partition-id=0 num-partitions=3 client-id='intruder'",
             check=False)
