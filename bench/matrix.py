@@ -18,13 +18,17 @@ always written from all cells present (plots in ``bench/results/matrix/``). The 
   same model (LeNet-5), rounds, local epochs, batch size and evaluation for every method
   (``COMMON``);
 - search, on seed ``TUNING_SEED``, the same for every row: its defaults at every learning
-  rate of ``LR_GRID``, then at the best one the method's own settings (``SETTINGS``, at most
-  ``MAX_SETTINGS``); the configuration with the best mean of its last 5 rounds is kept;
+  rate of ``LR_GRID``, then at the best one ``EXTRA_CONFIGS`` more (the method's own
+  ``SETTINGS``, then ``COMMON_KNOBS``); each tuning run reads the tuning pool (disjoint from
+  the report pool) and is scored on validation splits (``TUNING``); the configuration with
+  the best mean of its last 5 rounds of validation accuracy is kept;
 - report: the kept configuration on seeds ``REPORT_SEEDS``; mean and standard deviation over
   seeds of each run's last-5-round accuracy (never the best round), its slope, the lowest
   client, the task accuracy, uplink and seconds; each claim judged on the per-seed paired
   difference (``bench/evidence/claims.py``); ``bench/results/matrix/summary.json`` beside the
   report. A row whose search is incomplete reports its defaults and is marked so;
+- more seeds (``EXTRA_SEEDS``) for the rows and references of a claim whose interval lies
+  across its margin after the report seeds, once (``bench/evidence/claims.py``);
 - ablations (``ABLATIONS``, run after the rows): a row's tuned configuration with one
   change, on the same report seeds: where a claim did not hold, to show why, and FedFac's
   random split of the same size, the reference its split claim is judged against.
@@ -39,9 +43,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.evidence import protocol  # noqa: E402
 from bench.evidence.cells import Matrix, run, select  # noqa: E402
-from bench.evidence.protocol import ABLATIONS, COMMON, SCENARIOS, pool_file  # noqa: E402
-from bench.evidence.report import write_report  # noqa: E402
+from bench.evidence.claims import undecided  # noqa: E402
+from bench.evidence.protocol import ABLATIONS, COMMON, SCENARIOS, TUNING, pool_file  # noqa: E402
+from bench.evidence.report import judged, write_report  # noqa: E402
+
+
+def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
+    """The rule for undecided claims (``bench/evidence/claims.py``): their rows and references
+    on ``EXTRA_SEEDS`` too, once."""
+    _, _, claims = judged(matrix)
+    for scenario, label in sorted(undecided(claims)):
+        if scenario not in scenarios:
+            continue
+        [(_, item)] = select([scenario], [f"{scenario}/{label}"])
+        config, _ = matrix.tuned(scenario, item, tune=False)
+        for seed in protocol.EXTRA_SEEDS:
+            matrix.cell(scenario, item, "report", config, seed)
 from launch.federation import warm_federation  # noqa: E402
 
 
@@ -65,19 +84,22 @@ def main() -> None:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
     common = {**COMMON, "dataset": str(pool_file()),
               **({"device": args.device} if args.device != "auto" else {})}
+    tuning = {**TUNING, "dataset": str(pool_file(role="tuning"))}
     command = "python bench/matrix.py" + (f" --device {args.device}"
                                           if args.device != "auto" else "")
     only = [o for o in args.only.split(",") if o]
     if not args.write_only:
         with warm_federation() as federation:
-            matrix = Matrix(federation, common)
+            matrix = Matrix(federation, common, tuning=tuning)
             if not args.ablations:
                 run(matrix, select(args.scenarios.split(","), only), args.stage)
+                if args.stage != "tune":
+                    run_extra_seeds(matrix, args.scenarios.split(","))
             if args.ablations or (not only and args.stage == "all"):
                 for ablation in ABLATIONS:  # the whole matrix ends with them
                     if ablation.scenario in args.scenarios.split(","):
                         matrix.ablation(ablation)
-    print(write_report(Matrix(None, common), command))
+    print(write_report(Matrix(None, common, tuning=tuning), command))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """A run's fixed cost, cold and warm, and the app's overhead against a bare PyTorch loop.
 
     python bench/overhead.py --rounds 2 --supernodes 10 --repeats 3
+    python bench/overhead.py --matrix --rounds 5 --repeats 2   # one evidence-matrix cell
 
-FedAvg on digits. Four ways to run the same rounds, each ``--repeats`` times, medians:
+FedAvg on digits (``--matrix``: on a matrix cell's configuration, Dirichlet 0.1 over 20
+clients of the report pool, LeNet-5, 5 local epochs; bare and warm only). Four ways to run
+the same rounds, each ``--repeats`` times, medians:
 
 - bare: the same clients (data partitions), seeded model, local rule and personalized
   evaluation in one process, state dicts averaged in-process, no Flower at all;
@@ -159,8 +162,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--supernodes", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--matrix", action="store_true",
+                        help="a matrix cell's configuration (20 clients), bare and warm only")
     args = parser.parse_args()
     config = {"method": "fedavg", "num-server-rounds": args.rounds, "plot": False}
+    if args.matrix:
+        from bench.evidence.protocol import COMMON, NUM_CLIENTS, SCENARIOS, pool_file
+        config = {**COMMON, **SCENARIOS["dirichlet-0.1"].config, **config, "lr": 0.03,
+                  "dataset": str(pool_file())}
+        args.supernodes = NUM_CLIENTS
 
     torch.set_num_threads(1)  # as each Ray ClientApp worker (client-resources-num-cpus=1)
     bare = []
@@ -169,9 +179,12 @@ def main() -> None:
         seconds = bare_loop(config, args.supernodes, args.rounds)
         bare.append((time.perf_counter() - start, sum(seconds)))
     with tempfile.TemporaryDirectory() as tmp:
+        warm = warm_runs(config, args.supernodes, args.repeats, Path(tmp))
+        if args.matrix:
+            matrix_report(args, bare, warm)
+            return
         cold = [cold_run(config, args.supernodes, Path(tmp) / f"cold-{i}")
                 for i in range(args.repeats)]
-        warm = warm_runs(config, args.supernodes, args.repeats, Path(tmp))
         elapsed, paired = side_by_side_runs(config, args.supernodes, args.repeats, Path(tmp))
 
     bare_rounds = median(r for _, r in bare)
@@ -197,6 +210,21 @@ def main() -> None:
                f"{args.supernodes} --repeats {args.repeats}")
     write_report("overhead", f"A run's fixed cost (FedAvg, digits, {args.supernodes} clients, "
                  f"{args.rounds} rounds)", command, table)
+
+
+def matrix_report(args: argparse.Namespace, bare: list[tuple[float, float]],
+                  warm: list[tuple[float, float]]) -> None:
+    bare_rounds = median(r for _, r in bare)
+    rows = [f"| {name} | {median(w for w, _ in runs):.1f} s | {median(r for _, r in runs):.1f} s "
+            f"| {median(r for _, r in runs) / bare_rounds:.2f}x |"
+            for name, runs in (("bare PyTorch loop", bare), ("warm matrix run", warm))]
+    table = ("| how | wall time | its rounds (sum) | rounds / bare rounds |\n|---|---|---|---|\n"
+             + "\n".join(rows) + f"\n\nMedians of {args.repeats} repeats; every run's wall "
+             f"and rounds: bare {_pairs(bare)}; warm {_pairs(warm)}.\n")
+    write_report("overhead-matrix", f"A matrix cell's cost against a bare PyTorch loop "
+                 f"(FedAvg, Dirichlet 0.1, {args.supernodes} clients, {args.rounds} rounds)",
+                 f"python bench/overhead.py --matrix --rounds {args.rounds} --repeats "
+                 f"{args.repeats}", table)
 
 
 def _pairs(runs: list[tuple[float, float]]) -> str:

@@ -183,6 +183,7 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     feature_shift: str = key("feature-shift", choices=FEATURE_SHIFTS)
     feature_shift_groups: int = key("feature-shift-groups", low=1, high=4)
     test_fraction: float = key("test-fraction", low=0, high=1, low_open=True)
+    validation_fraction: float = key("validation-fraction", low=0, high=0.9)
     num_classes: int = key("num-classes", low=0)
     input_shape: str = key("input-shape")
     image_column: str = key("image-column")

@@ -19,6 +19,7 @@ from common.config import ConfigError, KeyGroup, RunSettings, in_range, key, one
 from fldata.cache import cache_key, cached_split, fingerprint
 from fldata.idx import find_idx_dir, search_dirs
 from fldata.partition import (
+    VALIDATION_STREAM,
     check_feature_shift,
     feature_shift,
     label_permutation,
@@ -80,6 +81,10 @@ def is_local_path(dataset: str) -> bool:
 
 @dataclass(frozen=True)
 class ClientData:
+    """A client's training examples and the examples it is evaluated on: its test split, or
+    its validation split where ``validation-fraction`` is above 0 (then the test split is
+    never loaded into a run, so that a tuning run cannot see it)."""
+
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
@@ -314,6 +319,10 @@ def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_cl
     # Split before permuting and shifting, so that permute-labels changes the labels and
     # feature-shift the images, and nothing else: the same examples, in the same order.
     train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
+    if settings.validation_fraction > 0:  # carved from the training share; the test split unused
+        fit, validation = train_test_split(y[train], settings.validation_fraction, settings.seed,
+                                           partition_id, stream=VALIDATION_STREAM)
+        train, test = train[fit], train[validation]
     if settings.permute_labels:
         y = label_permutation(num_classes, settings.seed, partition_id)[y]
     if not data_dir:

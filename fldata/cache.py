@@ -35,8 +35,8 @@ MAX_CACHE_BYTES = 2 * 1024**3
 ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "dirichlet-alpha",
              "min-partition-size", "classes-per-client", "domain-groups", "seed", "test-fraction",
-             "permute-labels", "feature-shift", "feature-shift-groups", "num-classes",
-             "input-shape")
+             "validation-fraction", "permute-labels", "feature-shift", "feature-shift-groups",
+             "num-classes", "input-shape")
 
 
 def default_cache_dir(state_dir: str | None) -> Path:

@@ -130,16 +130,23 @@ def feature_shift(x: np.ndarray, shift: str, groups: int, partition_id: int) -> 
     return np.rot90(x, group, axes=(-2, -1))
 
 
+TEST_STREAM = 104729        # the random streams of a client's two splits: independent
+VALIDATION_STREAM = 130363
+
+
 def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,
-                     partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+                     partition_id: int, stream: int = TEST_STREAM
+                     ) -> tuple[np.ndarray, np.ndarray]:
     """Stratified split of one client's examples: the test split has the train split's mix.
 
     Per class, ``round(test_fraction * n)`` examples go to test (a class with a single
     example stays in train). A client that would have no test example this way (a few
     examples of different classes, as with 1,000 clients on a small pool) keeps one of them
     back, so that it can still be evaluated. Returns (train positions, test positions).
+    ``stream`` tells this split's random draws from another's of the same client (the
+    validation split is carved from the training share with ``VALIDATION_STREAM``).
     """
-    rng = np.random.default_rng([seed, 104729, partition_id])
+    rng = np.random.default_rng([seed, stream, partition_id])
     train, test = [], []
     for label in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == label))

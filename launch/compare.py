@@ -8,9 +8,11 @@ Each ``--methods`` entry is ``METHOD[@TAG][:key=value;key=value|value]``: the ro
 value list ``a|b`` makes a grid. ``--lr-grid`` gives every row the same learning rates.
 
 Protocol (docs/comparing.md): a row with more than one configuration is tuned first, each
-configuration run once on ``--tuning-seed`` (not a report seed), and the one with the best
-mean accuracy over its last rounds is kept; then every row runs its configuration on each of
-``--seeds``. The report (``report.md``, ``summary.json`` and two plots) gives, per row, the
+configuration run once on ``--tuning-seed`` (not a report seed) with ``--validation-fraction``
+of every client's training share held out as its validation split, and the one with the best
+mean validation accuracy over its last rounds is kept (``launch.comparison.choose``: no test
+split is read to choose); then every row runs its configuration on each of ``--seeds``.
+The report (``report.md``, ``summary.json`` and two plots) gives, per row, the
 statistics of ``launch/comparison.py`` (the evidence matrix's): the mean of the last 5
 rounds' personalized accuracy over seeds, the lowest client's, the slope over the last 10
 rounds, uplink and time, and the paired difference per seed against ``--reference`` with its
@@ -39,6 +41,7 @@ from common.config import ConfigError, app_defaults
 from launch.comparison import (
     RISING,
     accuracy_difference,
+    choose,
     comparable_config,
     config_tag,
     method_stats,
@@ -84,22 +87,29 @@ class Comparison:
     """The rows' runs under ``out`` on one federation: stored runs are read, others run."""
 
     def __init__(self, federation: LocalFederation | None, app: Path, base: dict[str, Any],
-                 out: Path, federation_config: dict[str, Any], run_timeout: float) -> None:
+                 out: Path, federation_config: dict[str, Any], run_timeout: float,
+                 validation_fraction: float) -> None:
         self.federation, self.app, self.base = federation, app, base
+        self.validation_fraction = validation_fraction  # of a tuning run's training shares
         # the simulation's size and each client's resources (LocalFederation.federation_config)
         self.out, self.federation_config, self.run_timeout = out, federation_config, run_timeout
         self.defaults = app_defaults(app)
         self.failed: list[str] = []
 
-    def run_config(self, row: Row, config: dict[str, Any], seed: int) -> dict[str, Any]:
-        return {**self.base, **config, "method": row.method, "seed": seed, "plot": False}
+    def run_config(self, row: Row, stage: str, config: dict[str, Any], seed: int
+                   ) -> dict[str, Any]:
+        """A report run's config; a tuning run's is scored on validation splits instead."""
+        tuning = {"validation-fraction": self.validation_fraction} if stage == "tune" else {}
+        return {**self.base, **config, **tuning, "method": row.method, "seed": seed,
+                "plot": False}
 
     def check(self, rows: Sequence[Row], seeds: Sequence[int]) -> None:
         """Every configuration checked before any run starts (one-line ConfigError)."""
         for row in rows:
             for config in row.grid:
                 try:
-                    settings = check_run_config(self.run_config(row, config, seeds[0]),
+                    stage = "tune" if len(row.grid) > 1 else "report"
+                    settings = check_run_config(self.run_config(row, stage, config, seeds[0]),
                                                 self.app)
                     if settings.fraction_evaluate == 0:
                         raise ConfigError("fraction-evaluate: 0 evaluates nothing to compare")
@@ -117,7 +127,7 @@ class Comparison:
         under the same config, else run; None if it failed."""
         out = (self.out / "runs" / row.label
                / f"{stage}-{config_tag(config)}-seed{seed}").resolve()
-        run_config = {**self.run_config(row, config, seed), "output-dir": str(out)}
+        run_config = {**self.run_config(row, stage, config, seed), "output-dir": str(out)}
         results_path = out / "results.json"
         if results_path.exists():
             stored = json.loads(results_path.read_text())
@@ -142,17 +152,16 @@ class Comparison:
 
     def tune(self, row: Row, tuning_seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The row's configuration: its only one, or the grid's best on the tuning seed
-        (mean accuracy over the last rounds); and every tried configuration's figure."""
+        (``choose``: mean validation accuracy over the last rounds); and every tried
+        configuration's figures, on validation splits."""
         if len(row.grid) == 1:
             return row.grid[0], []
-        tried = []
-        for config in row.grid:
-            summary = self.summary(row, "tune", config, tuning_seed)
-            if summary is not None:
-                tried.append({"config": config, **run_figures(summary)})
-        if not tried:
+        runs = [(config, summary) for config in row.grid
+                if (summary := self.summary(row, "tune", config, tuning_seed)) is not None]
+        if not runs:
             raise RuntimeError(f"{row.label}: every tuning run failed")
-        return max(tried, key=lambda t: t["accuracy"])["config"], tried
+        return choose(runs), [{"config": config, "evaluated_on": summary["evaluated_on"],
+                               **run_figures(summary)} for config, summary in runs]
 
 
 def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
@@ -285,6 +294,9 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
                         help="learning rates every row is tuned over, e.g. 0.01,0.05,0.1")
     parser.add_argument("--tuning-seed", type=int, default=0,
                         help="the seed grids are tuned on; not a report seed (default 0)")
+    parser.add_argument("--validation-fraction", type=float, default=0.2,
+                        help="of each client's training share, its validation split in "
+                        "tuning runs: what a grid is chosen on (default 0.2)")
     parser.add_argument("--supernodes", type=int, default=10,
                         help="clients (the data is split into as many partitions)")
     parser.add_argument("--cpus-per-client", type=int, default=1)
@@ -323,13 +335,16 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
                 raise ConfigError(f"{fixed}: set by the command (--methods, --seeds, --out)")
         if args.supernodes < 1:
             raise ConfigError("--supernodes: at least 1")
+        if not 0 < args.validation_fraction <= 0.9:
+            raise ConfigError(f"--validation-fraction: {args.validation_fraction} is out of "
+                              "range; allowed: (0, 0.9]")
         out = (args.out or Path("outputs")
                / f"compare-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
         federation_config = LocalFederation.federation_config(
             args.supernodes, args.cpus_per_client, args.gpus_per_client)
         check_same_clients(out, args.supernodes)
         comparison = Comparison(federation, args.app.resolve(), base, out, federation_config,
-                                args.run_timeout)
+                                args.run_timeout, args.validation_fraction)
         comparison.check(rows, args.seeds)
     except (ConfigError, ValueError, OSError) as error:
         print(f"compare: {error}", file=sys.stderr)

@@ -8,6 +8,9 @@ command (``launch/compare.py``) and the evidence matrix (``bench/evidence``).
   (personalized accuracy weighted by test examples, per evaluated round), the lowest
   client's curve, the mean task accuracy's curve (pFedC's figure, where recorded), uplink
   and time.
+- A configuration is chosen on validation data only (``choose``): the tuning runs that
+  compete are scored on validation splits carved from the clients' training shares
+  (``validation-fraction``), never on a test split a reported figure is computed on.
 - A run's figure is the mean of its last ``LAST_ROUNDS`` evaluated rounds (never the best
   round: choosing a round on test data flatters every method, the noisy ones most); its
   slope, in accuracy per round over the last ``SLOPE_ROUNDS`` rounds (least squares), says
@@ -70,6 +73,7 @@ def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:
         "accuracy_weighted": final["accuracy_weighted"],
         "accuracy_mean": final["accuracy_mean"],
         "accuracy_min": final["accuracy_min"],
+        "evaluated_on": results.get("evaluated_on", "test"),
         "mb_up_total": final["bytes_up_total"] / MB,
         "seconds_total": final["seconds_total"],
         "rounds": [r["round"] for r in evaluated],
@@ -107,12 +111,33 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 def run_figures(summary: Mapping[str, Any]) -> dict[str, float]:
     """One run's figures: last-rounds mean of the weighted and of the lowest client's
     accuracy (a summary stored before the lowest client's curve was kept gives its final
-    value), its slope, uplink and seconds."""
+    value), its slope, uplink and seconds; and the last-rounds mean of the task accuracy where
+    the run recorded it."""
     low = summary.get("accuracy_min_per_round") or [summary["accuracy_min"]]
+    task = summary.get("accuracy_task_per_round")
     return {"accuracy": last_rounds_mean(summary["accuracy_per_round"]),
             "accuracy_min": last_rounds_mean(low),
             "slope": slope(summary["accuracy_per_round"]),
-            "mb_up": summary["mb_up_total"], "seconds": summary["seconds_total"]}
+            "mb_up": summary["mb_up_total"], "seconds": summary["seconds_total"],
+            **({"task_accuracy": last_rounds_mean(task)} if task else {})}
+
+
+def selection_figure(summary: Mapping[str, Any]) -> float:
+    """What a configuration is chosen by: its tuning run's accuracy on its clients'
+    validation splits, the mean of the last rounds. A run scored on its test split is
+    refused (ValueError): a choice made on test data flatters the chosen configuration on
+    every figure reported from that data."""
+    if summary.get("evaluated_on") != "validation":
+        raise ValueError("a configuration is chosen on validation accuracy only; this run was "
+                         f"scored on its {summary.get('evaluated_on', 'test')} split (run it "
+                         "with validation-fraction > 0)")
+    return run_figures(summary)["accuracy"]
+
+
+def choose(tried: Sequence[tuple[Any, Mapping[str, Any]]]) -> Any:
+    """Of ``(configuration, tuning run summary)`` pairs, the configuration with the highest
+    ``selection_figure`` (the first of equals)."""
+    return max(tried, key=lambda pair: selection_figure(pair[1]))[0]
 
 
 def method_stats(per_seed: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
@@ -133,21 +158,27 @@ def paired_difference(values: Mapping[int, float], reference: Mapping[int, float
     if not seeds:
         return None
     diffs = [values[s] - reference[s] for s in seeds]
-    mean = statistics.fmean(diffs)
-    ci95 = None
-    if len(diffs) > 1:
-        half = (stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs)
-                / math.sqrt(len(diffs)))
-        ci95 = (mean - half, mean + half)
+    mean, ci95 = mean_interval(diffs)
     return {"seeds": seeds, "paired_diffs": diffs, "mean_diff": mean, "ci95": ci95}
 
 
-def accuracy_difference(method: Mapping[str, Any], reference: Mapping[str, Any]
-                        ) -> dict[str, Any] | None:
-    """``paired_difference`` of two methods' per-seed accuracies (each with ``per_seed`` as
-    ``method_stats`` gives it)."""
-    return paired_difference({s: f["accuracy"] for s, f in method["per_seed"].items()},
-                             {s: f["accuracy"] for s, f in reference["per_seed"].items()})
+def mean_interval(values: Sequence[float]) -> tuple[float, tuple[float, float] | None]:
+    """The mean of per-seed values and its 95% Student-t interval (None for one value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    half = (stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values)
+            / math.sqrt(len(values)))
+    return mean, (mean - half, mean + half)
+
+
+def accuracy_difference(method: Mapping[str, Any], reference: Mapping[str, Any],
+                        figure: str = "accuracy") -> dict[str, Any] | None:
+    """``paired_difference`` of two methods' per-seed ``figure`` (each with ``per_seed`` as
+    ``method_stats`` gives it; ``"task_accuracy"`` for the mean over tasks)."""
+    return paired_difference({s: f[figure] for s, f in method["per_seed"].items()},
+                             {s: f[figure] for s, f in reference["per_seed"].items()})
+
 
 
 def points(difference: Mapping[str, Any]) -> str:

@@ -95,6 +95,8 @@ class ResultsRecorder:
     def payload(self) -> dict[str, Any]:
         outcome = {"status": self.status, **({"reason": self.reason} if self.reason else {})}
         return {"method": self.settings.method, **outcome, "config": dict(self.settings.raw),
+                # a tuning run is scored on validation splits (validation-fraction > 0)
+                "evaluated_on": "validation" if self.settings.validation_fraction else "test",
                 "rounds": self.rounds, "final": self.final(), **self.extra,
                 "server_state": {"node_to_client": {str(k): v for k, v in
                                                     self.strategy.nodes.node_to_client.items()},

@@ -154,11 +154,11 @@ def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
     from launch.federation import LocalFederation
 
     comparison = Comparison(None, ROOT, {"num-server-rounds": 2}, tmp_path,
-                            LocalFederation.federation_config(2, 1, 0.0), 60)
+                            LocalFederation.federation_config(2, 1, 0.0), 60, 0.2)
     row = parse_row("fedavg", app_defaults(ROOT), [])
     out = tmp_path / "runs" / "fedavg" / "report-defaults-seed1"
     out.mkdir(parents=True)
-    config = {**app_defaults(ROOT), **comparison.run_config(row, {}, 1),
+    config = {**app_defaults(ROOT), **comparison.run_config(row, "report", {}, 1),
               "output-dir": str(out)}
     evaluated = {"accuracy_weighted": 0.5, "accuracy_min": 0.4}
     results = {"status": "completed", "config": config,

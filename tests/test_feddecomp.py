@@ -21,10 +21,10 @@ from tests.conftest import REFERENCE_CLIENTS, app_config, moves_per_epoch
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_decomposed_linear_equals_base_at_init_then_adds_b_a(scaled):
-    """``tau = (B A)^T``, times ``1/r`` with ``feddecomp.tau-scale = "inverse-rank"``."""
+    """``tau = (B A)^T``, times ``1/r`` unless ``feddecomp.tau-scale = "none"``."""
     torch.manual_seed(0)
     base = nn.Linear(6, 4)
-    layer = DecomposedLinear(base, ratio=0.5, scaled=scaled)
+    layer = DecomposedLinear(base, 0.5, "inverse-rank" if scaled else "none")
     assert layer.lora_B.shape == (6, 2) and layer.lora_A.shape == (2, 4)  # B: I x r, A: r x O
     x = torch.randn(5, 6)
     torch.testing.assert_close(layer(x), base(x), rtol=0, atol=0)
@@ -41,7 +41,7 @@ def test_decomposed_linear_equals_base_at_init_then_adds_b_a(scaled):
 def test_decomposed_conv_equals_base_at_init_then_adds_b_a_on_the_kernel_reshape(scaled):
     torch.manual_seed(0)
     base = nn.Conv2d(3, 4, 3, padding=1)
-    layer = DecomposedConv2d(base, ratio=0.5, scaled=scaled)
+    layer = DecomposedConv2d(base, 0.5, "inverse-rank" if scaled else "none")
     r = round(0.5 * 3 * 3)
     assert layer.lora_B.shape == (3 * 3, r) and layer.lora_A.shape == (r, 4 * 3)
     x = torch.randn(2, 3, 8, 8)
@@ -59,16 +59,39 @@ def test_decomposed_conv_equals_base_at_init_then_adds_b_a_on_the_kernel_reshape
     torch.testing.assert_close(layer(x), F.conv2d(x, layer.weight + tau, layer.bias, padding=1))
 
 
-@pytest.mark.parametrize(("tau_scale", "inverse_rank"), [("inverse-rank", True),
-                                                         ("none", False)])
-def test_the_run_model_scales_tau_by_one_over_rank_by_default(tau_scale, inverse_rank):
-    overrides = {} if inverse_rank else {"feddecomp.tau-scale": tau_scale}
+# LeNet-5's conv1, conv2, fc1, fc2 and head at rank-conv 0.5: the authors' loralib counts a
+# conv's r as int(0.5 * out channels) (6, 16) and a Linear's as its absolute rank (4);
+# "inverse-rank" divides by this project's ranks (rank-linear 0.5 as a ratio)
+LENET5_SCALES = {"authors": (4, [1 / 3, 1 / 8, 1 / 4, 1 / 4, 1 / 4]),
+                 "inverse-rank": (0.5, [1 / 2, 1 / 15, 1 / 60, 1 / 42, 1 / 5]),
+                 "none": (4, [1.0] * 5)}
+
+
+@pytest.mark.parametrize("tau_scale", list(LENET5_SCALES))
+def test_lenet5_scales_tau_per_layer_as_each_rule_counts_r(tau_scale):
+    rank_linear, scales = LENET5_SCALES[tau_scale]
+    overrides = {"model": "lenet5", "dataset": "fashion-mnist", "feddecomp.rank-conv": 0.5,
+                 "feddecomp.rank-linear": rank_linear, "feddecomp.tau-scale": tau_scale}
     settings = load_settings(app_config(method="feddecomp", **overrides))
-    assert settings.method_settings.tau_scale == tau_scale
     layers = [m for m in build_model(settings).modules()
               if isinstance(m, DecomposedLinear | DecomposedConv2d)]
-    assert layers and all(m.scale == (1 / m.rank if inverse_rank else 1.0) for m in layers)
-    assert any(m.rank > 1 for m in layers)
+    assert [m.scale for m in layers] == pytest.approx(scales)
+
+
+def test_the_authors_scale_is_the_default_and_an_integer_linear_rank_is_absolute():
+    settings = load_settings(app_config(method="feddecomp"))
+    assert settings.method_settings.tau_scale == "authors"
+    linear = [m for m in build_model(settings).modules() if isinstance(m, DecomposedLinear)]
+    assert linear and all(m.rank == 4 and m.scale == 1 / 4 for m in linear)
+    ratio = load_settings(app_config(method="feddecomp", **{"feddecomp.rank-linear": 1.0}))
+    head = build_model(ratio).head
+    assert head.rank == min(head.in_features, head.out_features)
+
+
+def test_a_linear_ratio_above_one_stops_with_one_line():
+    with pytest.raises(ConfigError, match=r"feddecomp.rank-linear: 4.0 .* integer rank"):
+        build_model(load_settings(app_config(method="feddecomp",
+                                             **{"feddecomp.rank-linear": 4.0})))
 
 
 def _client(tmp_path, pid=0, **overrides) -> Client:
@@ -173,21 +196,21 @@ def test_server_mean_is_uniform_over_clients_by_default(weighting, expected):
 
 def test_defaults_are_the_authors_ranks_and_leave_sigma_epochs():
     """Ranks pinned to the authors' own CIFAR-10 command (README of ``XinghaoWu/FedDecomp``:
-    ``--Conv_r=0.6 --Linear_r=4``; their code's conv rank is a ratio, their Linear rank 4 is
-    0.4 of ``min(256, 10)`` in their ResNet-8 classifier). ``feddecomp.lora-epochs``: the paper
+    ``--Conv_r=0.6 --Linear_r=4``; their code's conv rank is a ratio, their Linear rank an
+    absolute one, as here). ``feddecomp.lora-epochs``: the paper
     and the code train ``tau`` 2 of 5 local epochs (``--local_p_ep 2``, ``--local_ep 5``); with
     this project's ``local-epochs = 2`` a default of 2 would never train ``sigma`` (nothing
     shared would move), so the default is 1 of 2 and the paper's split is
     ``local-epochs=5 feddecomp.lora-epochs=2``."""
     settings = load_settings(app_config(method="feddecomp"))
     options = settings.method_settings
-    assert (options.rank_conv, options.rank_linear) == (0.6, 0.4)
+    assert (options.rank_conv, settings.raw["feddecomp.rank-linear"]) == (0.6, 4)
     assert options.lora_epochs == 1 < settings.local_epochs == 2
     paper = load_settings(app_config(**{"method": "feddecomp", "local-epochs": 5,
                                         "feddecomp.lora-epochs": 2}))
     assert paper.local_epochs - paper.method_settings.lora_epochs == 3
     head = build_model(settings).head
-    assert isinstance(head, DecomposedLinear) and head.rank == 4  # 0.4 * min(128, 10)
+    assert isinstance(head, DecomposedLinear) and head.rank == 4
 
 
 def test_lora_epochs_equal_to_local_epochs_trains_only_tau(tmp_path):

@@ -38,6 +38,7 @@ def test_second_load_maps_the_stored_split(tmp_path):
     ({}, 6),
     ({"partitioner": "iid"}, 5),
     ({"test-fraction": 0.3}, 5),
+    ({"validation-fraction": 0.3}, 5),
     ({"permute-labels": True}, 5),
 ])
 def test_changed_settings_never_reuse_a_cached_split(tmp_path, changed, num_partitions):

@@ -146,3 +146,22 @@ def test_many_clients_on_a_small_pool_get_a_clear_error_and_min_partition_size_f
     relaxed = settings(partitioner="dirichlet", **{"min-partition-size": 2})
     sizes = [len(partition_indices(labels, relaxed, pid, 1000)) for pid in range(1000)]
     assert min(sizes) >= 2 and sum(sizes) == len(labels)
+
+
+def _rows(x: np.ndarray) -> set[bytes]:
+    return {row.tobytes() for row in x.reshape(len(x), -1)}
+
+
+def test_a_validation_split_is_carved_from_the_training_share_and_never_holds_a_test_example():
+    """A tuning run (validation-fraction > 0) is evaluated on examples of its clients'
+    training shares; the test split of the same seed is neither trained nor evaluated on."""
+    for partition in range(3):
+        plain = load_client_data(load_settings(app_config()), partition, 5)
+        tuning = load_client_data(load_settings(app_config(**{"validation-fraction": 0.5})),
+                                  partition, 5)
+        train, test = _rows(plain.x_train), _rows(plain.x_test)
+        validation, fit = _rows(tuning.x_test), _rows(tuning.x_train)
+        assert validation and fit and validation <= train and fit <= train
+        assert not validation & test and not fit & test and not validation & fit
+        assert len(validation) == pytest.approx(len(train) / 2, abs=len(np.unique(
+            plain.y_train)))  # half of each class, rounded

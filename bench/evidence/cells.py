@@ -22,7 +22,7 @@ from bench.evidence.protocol import (
 )
 from bench.report import RESULTS, produced_by
 from common.config import app_defaults, app_packages
-from launch.comparison import comparable_config, config_tag, run_figures, summarize_run
+from launch.comparison import choose, comparable_config, config_tag, summarize_run
 from launch.federation import LocalFederation
 from strategies.registry import REGISTRY
 
@@ -31,13 +31,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class Matrix:
     """The cells under ``out``: stored ones are read, missing ones run on ``federation`` (one
-    private SuperLink) when there is one. ``num_clients`` replaces every scenario's own
-    (tests run three)."""
+    private SuperLink) when there is one. A tuning cell runs ``common`` under ``tuning`` (its
+    pool and validation split), a report or ablation cell ``common`` alone. ``num_clients``
+    replaces every scenario's own (tests run three)."""
 
     def __init__(self, federation: LocalFederation | None, common: dict[str, Any],
-                 out: Path = RESULTS, num_clients: int | None = None) -> None:
+                 out: Path = RESULTS, num_clients: int | None = None,
+                 tuning: dict[str, Any] | None = None) -> None:
         self.federation = federation
         self.common = common
+        self.tuning = protocol.TUNING if tuning is None else tuning
         self.out = out
         self.num_clients = num_clients
         self.device = str(common.get("device", "auto"))
@@ -46,10 +49,12 @@ class Matrix:
     def clients(self, scenario: str) -> int:
         return self.num_clients or SCENARIOS[scenario].num_clients
 
-    def run_config(self, scenario: str, item: Entry, config: dict[str, Any], seed: int,
-                   out: Path) -> dict[str, Any]:
-        """What one cell runs: the common settings, the scenario's, the row's, the config."""
-        return {**self.common, **SCENARIOS[scenario].config, **item.fixed, **expand(config),
+    def run_config(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
+                   seed: int, out: Path) -> dict[str, Any]:
+        """What one cell runs: the common settings (a tuning cell's under ``tuning``), the
+        scenario's, the row's, the config."""
+        common = {**self.common, **self.tuning} if stage == "tune" else self.common
+        return {**common, **SCENARIOS[scenario].config, **item.fixed, **expand(config),
                 "method": item.method, "seed": seed, "output-dir": str(out)}
 
     def resolved(self, method: str, run_config: dict[str, Any]) -> dict[str, Any]:
@@ -63,8 +68,8 @@ class Matrix:
                       ) -> dict[str, Any]:
         """A searched configuration in full: its learning rate and every setting of its
         method, defaults and the row's fixed ones included (what ``summary.json`` lists)."""
-        resolved = self.resolved(item.method, self.run_config(scenario, item, config, 0,
-                                                               self.out))
+        resolved = self.resolved(item.method, self.run_config(scenario, item, "report",
+                                                               config, 0, self.out))
         return {k: v for k, v in resolved.items()
                 if k == "lr" or k.startswith(f"{item.method}.")}
 
@@ -75,7 +80,7 @@ class Matrix:
         path = cell_path(self.out, scenario, item.label, stage, config, seed, self.device)
         cells = self.out / "matrix" / cells_folder(self.device)
         out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
-        run_config = self.run_config(scenario, item, config, seed, out)
+        run_config = self.run_config(scenario, item, stage, config, seed, out)
         resolved = self.resolved(item.method, run_config)
         if path.exists():
             stored = json.loads(path.read_text())
@@ -129,13 +134,13 @@ class Matrix:
         first = cells(learning_rate_stage())
         if any(r is None for _, r in first):
             return first
-        lr = best(first)["lr"]
+        lr = choose(first)["lr"]
         return first + cells(settings_stage(item.method, lr))
 
     def tuned(self, scenario: str, item: Entry, tune: bool) -> tuple[dict[str, Any], bool]:
         """The configuration to report and whether the whole search ran for it: the best of
-        the search by the mean of its last rounds on the tuning seed (the report's figure;
-        never one round's)."""
+        the search by the mean of its last rounds on the tuning runs' validation splits
+        (``launch.comparison.choose``; never one round's, never a test split's)."""
         return chosen(self.searched(scenario, item, tune))
 
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
@@ -147,7 +152,11 @@ class Matrix:
                 print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
                       file=sys.stderr)
             return []
-        return [c for seed in protocol.REPORT_SEEDS if (c := self.cell(
+        # and the extra seeds its row ran for an undecided claim (its reference, FedFac's
+        # random split, is paired seed by seed)
+        extra = [seed for seed in protocol.EXTRA_SEEDS if self.cell(
+            ablation.scenario, item, "report", config, seed, may_run=False) is not None]
+        return [c for seed in (*protocol.REPORT_SEEDS, *extra) if (c := self.cell(
             ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
             may_run=may_run)) is not None]
 
@@ -157,12 +166,7 @@ def chosen(searched: list[tuple[dict[str, Any], dict[str, Any] | None]]
     """A search's choice and whether the search is complete (``({}, False)`` while not)."""
     if any(r is None for _, r in searched):
         return {}, False
-    return best(searched), True
-
-
-def best(searched: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """The configuration whose run has the highest figure (the first of equals)."""
-    return max(searched, key=lambda cr: run_figures(cr[1])["accuracy"])[0]
+    return choose(searched), True
 
 
 def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:

@@ -13,16 +13,35 @@ from bench.evidence.claims import claim_line, claims
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
-from launch.comparison import RISING, accuracy_difference, config_tag, last_rounds_mean, points
+from launch.comparison import (
+    accuracy_difference,
+    config_tag,
+    last_rounds_mean,
+    mean_interval,
+    points,
+)
 from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
+
+# A row has converged when the upper end of the 95% interval (over seeds) of its last-10-round
+# slope is at most this, in accuracy a round: one claim margin (a point) per 10 rounds.
+CONVERGED = 0.001
+
+
+def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
+    """The 95% interval of the row's mean slope over its seeds (None for one seed)."""
+    return mean_interval([f["slope"] for f in row["per_seed"].values()])[1]
 
 
 def flag(row: dict[str, Any]) -> str:
-    """Why a row's figure may not be its final level ("" when its curve has stopped)."""
-    slope = row["slope"][0]
-    if slope > RISING:
-        return (f"still rising at round {row['cells'][0]['rounds'][-1]} "
-                f"({100 * slope:+.2f} points a round over the last 10 rounds)")
+    """Why a row's figure may not be its final level ("" when it has converged)."""
+    interval = slope_ci95(row)
+    if interval is None:
+        return "one seed: convergence cannot be judged"
+    if interval[1] > CONVERGED:
+        return (f"not converged at round {row['cells'][0]['rounds'][-1]}: slope over the "
+                f"last 10 rounds {100 * row['slope'][0]:+.2f} points a round, 95% interval "
+                f"[{100 * interval[0]:+.2f}, {100 * interval[1]:+.2f}] (converged: at most "
+                f"{100 * CONVERGED:+.2f})")
     return ""
 
 
@@ -65,13 +84,23 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                                                  if "accuracy_task_per_round" in c else {})}
                              for c in r["cells"]},
                 "mean": r["accuracy"][0], "std": r["accuracy"][1],
-                "slope_last10": r["slope"][0], "flag": flag(r),
+                "slope_last10": r["slope"][0],
+                "slope_ci95": list(slope_ci95(r) or ()), "converged": not flag(r),
+                "flag": flag(r),
                 "mb_up": r["mb_up"][0],
                 **({"task_mean": r["accuracy_task"][0]} if "accuracy_task" in r else {})}
-    return {"protocol": {"rounds": matrix.common["num-server-rounds"],
+    return {"protocol": {"version": 3, "rounds": matrix.common["num-server-rounds"],
                          "tuning_seed": protocol.TUNING_SEED,
                          "report_seeds": list(protocol.REPORT_SEEDS),
+                         "extra_seeds": list(protocol.EXTRA_SEEDS),
+                         "selection": "validation",
+                         "validation_fraction": protocol.TUNING["validation-fraction"],
+                         "tuning_pool": {"dataset": "fashion-mnist", "size": POOL_SIZE,
+                                         "disjoint_from_report_pool": True},
+                         "converged_slope": CONVERGED,
                          "lr_grid": list(protocol.LR_GRID),
+                         "extra_configs": protocol.EXTRA_CONFIGS,
+                         "common_knobs": protocol.COMMON_KNOBS,
                          "settings": protocol.SETTINGS,
                          "common": {k: v for k, v in matrix.common.items() if k != "dataset"},
                          "pool": {"dataset": "fashion-mnist", "size": POOL_SIZE},
@@ -122,14 +151,22 @@ def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
     return [*written, "accuracy-vs-uplink.png"]
 
 
-def write_report(matrix: Matrix, command: str) -> str:
-    """report.md, summary.json and the plots, from the cells present."""
+def judged(matrix: Matrix) -> tuple[dict[str, dict[str, dict[str, Any]]],
+                                    dict[tuple[str, str, str], dict[str, Any]],
+                                    list[dict[str, Any]]]:
+    """From the cells present: every row's statistics by scenario, the ablations', and the
+    claims judged on them."""
     stats = {s: {e.label: r for e in scenario.entries
                  if (r := row_stats(matrix, s, e)) is not None}
              for s, scenario in SCENARIOS.items()}
     stats = {s: rows for s, rows in stats.items() if rows}
     ablated = ablation_stats(matrix, stats)
-    judged = claims(stats, ablated)
+    return stats, ablated, claims(stats, ablated)
+
+
+def write_report(matrix: Matrix, command: str) -> str:
+    """report.md, summary.json and the plots, from the cells present."""
+    stats, ablated, judged_claims = judged(matrix)
     out = matrix.out
     cells = sorted((out / "matrix" / cells_folder(matrix.device)).rglob("*.json"))
     commits = collections.Counter(json.loads(c.read_text()).get("commit", "not recorded")
@@ -146,29 +183,39 @@ def write_report(matrix: Matrix, command: str) -> str:
         f"{wall / 3600:.1f} h of runs, start-up included, on {'; '.join(machines) or '-'}; "
         "the code that ran them: "
         + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "). "
-        f"Protocol: {POOL_SIZE} Fashion-MNIST training images drawn with seed 0 from the real "
-        f"IDX files; for every method {shared} (a scenario may set its own rounds). Search on "
-        f"seed {protocol.TUNING_SEED}, the same for every row: its defaults (the papers' "
-        f"values) at each learning rate of {list(protocol.LR_GRID)}, then, at the best one, "
-        f"at most {protocol.MAX_SETTINGS} configurations of the method's own settings "
-        "(`SETTINGS` in `bench/evidence/protocol.py`); the best by the mean of its last 5 "
-        f"rounds is reported on seeds {', '.join(map(str, protocol.REPORT_SEEDS))}. The "
-        "statistics are the compare command's (`launch/comparison.py`): personalized "
-        "accuracy weighted by test examples, the mean of a run's last 5 rounds, then mean ± "
-        "std over seeds (never the best round); task acc: the mean over clients of each "
-        "client's mean per-class accuracy (our analogue of pFedC's mean accuracy over tasks, "
-        "a task a class); min client: the same "
-        "last-5 mean for the lowest client; slope: accuracy points per round over the last "
-        f"10 rounds, flagged ⚑ above {100 * RISING:.1f}; uplink and seconds per run. A "
-        "claim is judged on the per-seed paired difference against its reference: held when "
-        "its 95% interval lies at or above the margin. Machine-readable: "
-        "[`matrix/summary.json`](matrix/summary.json).\n\n",
-        "## Paper claims\n\n", "\n".join(map(claim_line, judged)), "\n\n",
+        f"Protocol: two pools of {POOL_SIZE} Fashion-MNIST training images from the real IDX "
+        "files, disjoint: the report pool (drawn with seed 0), which every reported figure "
+        "is computed on, and the tuning pool (drawn from the other 55,000), which every "
+        f"tuning run reads; for every method {shared} (a scenario may set its own rounds). "
+        f"Search on seed {protocol.TUNING_SEED}, the same budget for every row: its defaults "
+        f"(the papers' values) at each learning rate of {list(protocol.LR_GRID)}, then, at "
+        f"the best one, {protocol.EXTRA_CONFIGS} more configurations: the method's own "
+        "settings (`SETTINGS` in `bench/evidence/protocol.py`), then the common knobs "
+        f"{protocol.COMMON_KNOBS}. A tuning run holds "
+        f"{protocol.TUNING['validation-fraction']:.0%} of each client's training share out as "
+        "its validation split and is scored on it: the configuration with the best mean of "
+        "its last 5 rounds of validation accuracy is reported, on seeds "
+        f"{', '.join(map(str, protocol.REPORT_SEEDS))} of the report pool (and "
+        f"{', '.join(map(str, protocol.EXTRA_SEEDS))} for a claim still undecided on those: "
+        "`bench/evidence/claims.py`). The statistics are the compare command's "
+        "(`launch/comparison.py`): personalized accuracy weighted by test examples, the mean "
+        "of a run's last 5 rounds, then mean ± std over seeds (never the best round); task "
+        "acc: the mean over clients of each client's mean per-class accuracy (our analogue "
+        "of pFedC's mean accuracy over tasks, a task a class); min client: the same last-5 "
+        "mean for the lowest client; slope: accuracy points per round over the last 10 "
+        "rounds, flagged ⚑ where a row has not converged (the upper end of its 95% interval "
+        f"over seeds above {100 * CONVERGED:+.2f} points a round: a margin per 10 rounds); "
+        "uplink and seconds per run. A claim is judged on the per-seed paired difference "
+        "against its reference: held when its 95% interval lies at or above the margin; "
+        "beside it, whether the interval lies above 0 (better at all) and the paper's own "
+        "difference. Machine-readable: [`matrix/summary.json`](matrix/summary.json).\n\n",
+        "## Paper claims\n\n", "\n".join(map(claim_line, judged_claims)), "\n\n",
     ]
     flagged = [f"- {s}/{label}: {flag(r)}" for s, rows in stats.items()
                for label, r in rows.items() if flag(r)]
     if flagged:
-        parts += ["## Rows whose curve had not stopped\n\n", "\n".join(flagged), "\n\n"]
+        parts += ["## Rows that had not converged\n\nA claim on such a row rests on a figure "
+                  "that may still move.\n\n", "\n".join(flagged), "\n\n"]
     ablations = ablation_table(ablated)
     if ablations:
         parts += ["## Ablations\n\nA row's tuned configuration with one change, on the same "
@@ -190,7 +237,7 @@ def write_report(matrix: Matrix, command: str) -> str:
         plots(stats, out)
         parts.append("![accuracy against uplink](matrix/accuracy-vs-uplink.png)\n")
     (out / "matrix" / "summary.json").write_text(
-        json.dumps(summary(matrix, stats, judged), indent=1) + "\n")
+        json.dumps(summary(matrix, stats, judged_claims), indent=1) + "\n")
     text = "".join(parts)
     (out / "report.md").write_text(text)
     return text

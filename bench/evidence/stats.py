@@ -12,13 +12,14 @@ from launch.comparison import config_tag, last_rounds_mean, mean_std, method_sta
 
 
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:
-    """The row over its report seeds (None before any ran): the figures of the compare
-    command, the search it was chosen from, and the mean task accuracy where its cells have
-    it."""
+    """The row over its report seeds, and the extra seeds it ran for an undecided claim
+    (None before any ran): the figures of the compare command, the search it was chosen
+    from, and the mean task accuracy where its cells have it."""
     searched = matrix.searched(scenario, item, tune=False)
     config, tuned = chosen(searched)
-    cells = {seed: c for seed in protocol.REPORT_SEEDS if (c := matrix.cell(
-        scenario, item, "report", config, seed, may_run=False)) is not None}
+    cells = {seed: c for seed in (*protocol.REPORT_SEEDS, *protocol.EXTRA_SEEDS)
+             if (c := matrix.cell(scenario, item, "report", config, seed, may_run=False))
+             is not None}
     if not cells:
         return None
     stats = {"label": item.label, "method": item.method, "config": config_tag(config),

@@ -9,13 +9,13 @@ the same aggregate and adds its own ``tau``.
 from models.feddecomp import decompose
 from strategies.feddecomp.client import train_feddecomp
 from strategies.feddecomp.server import FedDecompStrategy
-from strategies.feddecomp.spec import FedDecompSettings, SigmaShared, check
+from strategies.feddecomp.spec import FedDecompSettings, SigmaShared, check, linear_rank
 from strategies.method import Method
 
 METHOD = Method(
     "feddecomp", wire=SigmaShared, strategy=FedDecompStrategy, local_train=train_feddecomp,
     settings=FedDecompSettings,
     transform=lambda model, settings: decompose(
-        model, settings.method_settings.rank_conv, settings.method_settings.rank_linear,
-        settings.method_settings.tau_scale == "inverse-rank"),
+        model, settings.method_settings.rank_conv, linear_rank(settings),
+        settings.method_settings.tau_scale),
     check=check)

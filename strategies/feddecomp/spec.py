@@ -13,22 +13,35 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from common.config import KeyGroup, RunSettings, at_most_local_epochs, key
-from models.feddecomp import is_personal_key
+from common.config import ConfigError, KeyGroup, RunSettings, at_most_local_epochs, key
+from models.feddecomp import TAU_SCALES, is_personal_key
 from strategies.wire import WireSpec, state_keys
 
 
 @dataclass(frozen=True)
 class FedDecompSettings(KeyGroup):
     rank_conv: float = key("feddecomp.rank-conv", low=0, high=1, low_open=True)
-    rank_linear: float = key("feddecomp.rank-linear", low=0, high=1, low_open=True)
+    rank_linear: float = key("feddecomp.rank-linear", low=0, low_open=True)  # see linear_rank
     lora_epochs: int = key("feddecomp.lora-epochs")
     weighting: str = key("feddecomp.weighting", choices=("uniform", "examples"))
-    tau_scale: str = key("feddecomp.tau-scale", choices=("none", "inverse-rank"))
+    tau_scale: str = key("feddecomp.tau-scale", choices=TAU_SCALES)
     bn_stats: str = key("feddecomp.bn-stats", choices=("shared", "personal"))
 
 
+def linear_rank(settings: RunSettings[FedDecompSettings]) -> int | float:
+    """``feddecomp.rank-linear`` as written: an integer is a Linear's rank (the authors'
+    ``--Linear_r``), a float in (0, 1] a ratio of ``min(I, O)``."""
+    written = settings.raw["feddecomp.rank-linear"]
+    if isinstance(written, int) and not isinstance(written, bool):
+        return written
+    if settings.method_settings.rank_linear > 1:
+        raise ConfigError(f"feddecomp.rank-linear: {written} is out of range; allowed: a "
+                          "ratio in (0, 1] or an integer rank >= 1")
+    return settings.method_settings.rank_linear
+
+
 def check(settings: RunSettings[FedDecompSettings], model: nn.Module) -> None:
+    linear_rank(settings)
     at_most_local_epochs("feddecomp.lora-epochs", settings.method_settings.lora_epochs,
                          settings.local_epochs)
 
