@@ -199,6 +199,59 @@ def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates(
     assert set(np.flatnonzero(split)) == set(range(6))
 
 
+def _round(strategy: FedFacStrategy, arrays: ArrayRecord, server_round: int,
+           shared_first: int) -> ArrayRecord:
+    """One round whose 8 clients moved from ``arrays`` by small updates whose elements
+    ``shared_first .. shared_first + 5`` follow common factors; each client sends what a
+    client of that round sends: whole rows, or only the shared rows where the server asks for
+    a sliced uplink."""
+    strategy.begin_round(server_round)
+    start = arrays["body.1.weight"].numpy()
+    updates = [np.roll(0.01 * start.std() * d, shared_first, axis=0)
+               for d in _sampled_weights(8, 60)]
+    replies = _replies_around(arrays, [start + d for d in updates])
+    masks = strategy.uplink_masks()
+    if masks is not None:
+        for reply in replies:
+            for key, layer in strategy.layer_of_key.items():
+                reply.arrays[key] = Array(reply.arrays[key].numpy()[masks[layer]])
+    return strategy.aggregate_train(server_round, replies, arrays)
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_static_splits_once_and_slices_its_uplink_dynamic_splits_every_round(mode):
+    """Round 1's clients share elements 0-5, round 2's elements 10-15. Static keeps round
+    1's split and from round 2 on asks only for the shared rows (personal rows never leave a
+    client); dynamic splits again on round 2's whole rows."""
+    strategy = _mlp_strategy(**{"fedfac.mode": mode})
+    arrays = _round(strategy, strategy.global_arrays, 1, shared_first=0)
+    first = strategy.split["body.1"].copy()
+    assert set(np.flatnonzero(first)) == set(range(6))
+    strategy.begin_round(2)
+    if mode == "static":
+        np.testing.assert_array_equal(strategy.uplink_masks()["body.1"], first)
+    else:
+        assert strategy.uplink_masks() is None
+    _round(strategy, arrays, 2, shared_first=10)
+    second = set(np.flatnonzero(strategy.split["body.1"]))
+    assert second == (set(range(6)) if mode == "static" else set(range(10, 16)))
+
+
+def test_server_lr_moves_the_shared_part_that_fraction_of_the_way_to_the_mean():
+    """``fedfac.server-lr`` 0.5: half way from the round's start to the clients' mean (here
+    in FedAvg warm-up rounds, where everything is shared)."""
+    moved = {}
+    for server_lr in (1.0, 0.5):
+        strategy = _mlp_strategy(**{"fedfac.warmup-rounds": 1, "fedfac.server-lr": server_lr})
+        arrays = strategy.global_arrays
+        moved[server_lr] = _round(strategy, arrays, 1, shared_first=0)
+    start = arrays["body.1.weight"].numpy()
+    np.testing.assert_allclose(moved[0.5]["body.1.weight"].numpy() - start,
+                               0.5 * (moved[1.0]["body.1.weight"].numpy() - start),
+                               rtol=1e-4, atol=1e-7)
+    assert not np.allclose(moved[1.0]["body.1.weight"].numpy(), start)
+
+
 DIGITS = (1, 8, 8)
 
 

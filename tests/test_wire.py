@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -25,6 +26,8 @@ from common.protocol import (
     SERVER_ROUND,
     TRAIN_METRICS,
 )
+from models.factorized_fl import matching_key
+from models.pfedc import branch_of_key
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import valid_replies
 from strategies.registry import REGISTRY, initial_state
@@ -114,3 +117,68 @@ def test_a_reply_that_breaks_the_wire_spec_is_dropped():
     assert valid == []
     assert "missing" in strategy.ledger.record(1).dropped[0]["reason"]
     assert np.count_nonzero(weights) < len(weights)
+
+
+def _stays_on_the_client(method: str, overrides: dict, client: Client, model, key: str
+                         ) -> bool:
+    """What each method keeps personal, stated from its paper (and the options that change
+    it), not read from its wire spec: a client must never send such a key."""
+    module = model.get_submodule(key.rsplit(".", 1)[0]) if "." in key else model
+    batchnorm = isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf == "num_batches_tracked":
+        return True
+    if method == "local":
+        return True
+    if method in ("fedper", "fedrep"):
+        return key.startswith("head.")
+    if method == "fedbn":
+        return batchnorm
+    if method == "feddecomp":
+        return leaf in ("lora_A", "lora_B") or (
+            overrides.get("feddecomp.bn-stats") == "personal" and leaf.startswith("running_"))
+    if method == "factorized-fl":
+        variant = overrides.get("factorized-fl.variant", "u")
+        if key.startswith("head.") or leaf.startswith("running_"):
+            return True
+        if variant == "uvm":
+            return False
+        matching = matching_key(model, client.data().x_train.shape[1:])
+        if leaf in ("v", "mu"):
+            return key != matching
+        return variant == "u-paper" and leaf != "u"
+    if method == "pfedc":
+        task = branch_of_key(key)
+        weights = client.identity()["pfedc.task-weights"]
+        return task is not None and weights[task] == 0
+    return False  # fedavg, fedprox, fedavg-ft, fedfac (its rows: below)
+
+
+@pytest.mark.parametrize(("method", "overrides"), SCENARIOS,
+                         ids=[f"{m}-{'-'.join(map(str, o.values())) or 'default'}"
+                              for m, o in SCENARIOS])
+def test_a_client_sends_exactly_its_methods_shared_part_in_every_round(method, overrides):
+    """Every key a client does not keep sends, every key it keeps stays; FedFac's static mode
+    sends only the shared rows of its analysed layers once the split exists (its dynamic mode
+    sends whole rows: the analysis needs them every round)."""
+    run_config = app_config(method=method, **overrides)
+    clients = [make_client(p, run_config) for p in range(4)]
+    settings = clients[0].settings
+    initial, wire = initial_state(settings)
+    strategy = REGISTRY[method].strategy(settings, initial, wire)
+    arrays = initial
+    for server_round in (1, 2, 3):
+        valid, _ = _round_trip(strategy, clients, server_round, arrays)
+        for client, reply in zip(clients, valid, strict=True):
+            model = client.model(initial)
+            personal = {k for k in model.state_dict()
+                        if _stays_on_the_client(method, overrides, client, model, k)}
+            assert set(reply.arrays) == set(model.state_dict()) - personal, server_round
+            if method == "fedfac":
+                split = strategy.split if server_round > 1 else None
+                static = settings.method_settings.mode == "static"
+                for key, layer in strategy.layer_of_key.items():
+                    rows = (int(split[layer].sum()) if static and split is not None
+                            else model.state_dict()[key].shape[0])
+                    assert reply.arrays[key].shape[0] == rows, (key, server_round)
+        arrays = strategy.aggregate_train(server_round, valid, arrays)
