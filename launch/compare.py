@@ -44,6 +44,7 @@ from launch.comparison import (
     choose,
     comparable_config,
     config_tag,
+    judge_difference,
     method_stats,
     points,
     run_figures,
@@ -164,11 +165,20 @@ class Comparison:
                                **run_figures(summary)} for config, summary in runs]
 
 
+def budgets(rows: Sequence[Row]) -> dict[str, int]:
+    """How many configurations each row searches (its tuning budget)."""
+    return {row.label: len(row.grid) for row in rows}
+
+
 def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
-            tuning_seed: int, reference: str) -> dict[str, Any]:
+            tuning_seed: int, reference: str, margin: float) -> dict[str, Any]:
     """Tune, then run every row on every seed; the summary (``summary.json``)."""
     summary: dict[str, Any] = {"protocol": {"seeds": list(seeds), "tuning_seed": tuning_seed,
-                                            "reference": reference,
+                                            "selection": "validation",
+                                            "validation_fraction":
+                                                comparison.validation_fraction,
+                                            "budgets": budgets(rows),
+                                            "reference": reference, "margin": margin,
                                             "base_config": comparison.base},
                                "rows": {}, "failed": comparison.failed}
     for row in rows:
@@ -190,27 +200,43 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
     for label, row_stats in summary["rows"].items():
         if base is not None and label != reference:
             row_stats["versus_reference"] = accuracy_difference(row_stats, base)
+            row_stats["verdicts"] = judge_difference(row_stats["versus_reference"], margin)
     return summary
+
+
+def budget_text(rows: Sequence[Row]) -> str:
+    return ", ".join(f"{label} {n}" for label, n in budgets(rows).items())
 
 
 def report_markdown(summary: dict[str, Any], command: str) -> str:
     protocol = summary["protocol"]
     reference = protocol["reference"]
+    margin = 100 * protocol["margin"]
+    budget = protocol["budgets"]
     lines = [
         "# Comparison\n", f"```\n{command}\n```\n",
         f"Seeds {', '.join(map(str, protocol['seeds']))}; a row with a grid was tuned on seed "
-        f"{protocol['tuning_seed']} (best mean accuracy over its last 5 rounds). Accuracy: "
+        f"{protocol['tuning_seed']}, each configuration scored on validation splits "
+        f"({protocol['validation_fraction']:.0%} of every client's training share; never a "
+        "test split), and the one with the best mean validation accuracy over its last 5 "
+        "rounds kept. Accuracy: "
         "personalized, weighted by test examples, mean of the last 5 evaluated rounds, then "
         "mean ± standard deviation over seeds (never the best round). Min client: the same for "
         "the lowest client. Slope: accuracy points per round over the last 10 rounds (above "
         f"{100 * RISING:.1f}, marked: the curve was still rising; run more rounds). Versus "
         "the reference: the paired difference per seed, its mean and 95% interval, in "
-        "accuracy points.\n",
-        f"| row | configuration | seeds | accuracy | min client | slope (points/round) | "
-        f"uplink MB | seconds | vs {reference} (points) |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        f"accuracy points; not worse: the interval lies at or above {margin:+.1f} "
+        "(`--margin`); better: it lies above 0.\n",
+        *([f"**Unequal tuning budgets** ({', '.join(f'{k} {n}' for k, n in budget.items())} "
+           "configurations): the rows with more are favoured; give every row the same "
+           "number for a fair comparison.\n"] if len(set(budget.values())) > 1 else []),
+        f"| row | configuration (of searched) | seeds | accuracy | min client | slope "
+        f"(points/round) | uplink MB | seconds | vs {reference} (points) | not worse | "
+        "better |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, row in summary["rows"].items():
         versus = row.get("versus_reference")
+        verdicts = row.get("verdicts", {})
         if label == reference:
             diff = "reference"
         elif versus is None:
@@ -218,11 +244,13 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
         else:
             diff = points(versus)
         lines.append(
-            f"| {label} | {config_tag(row['chosen'])} | {len(row['seeds'])} | "
+            f"| {label} | {config_tag(row['chosen'])} ({budget.get(label, 1)}) | "
+            f"{len(row['seeds'])} | "
             f"{row['accuracy'][0]:.4f} ± {row['accuracy'][1]:.4f} | "
             f"{row['accuracy_min'][0]:.4f} | {100 * row['slope'][0]:+.2f}"
             f"{' (still rising)' if row['slope'][0] > RISING else ''} | "
-            f"{row['mb_up'][0]:.2f} | {row['seconds'][0]:.0f} | {diff} |")
+            f"{row['mb_up'][0]:.2f} | {row['seconds'][0]:.0f} | {diff} | "
+            f"{verdicts.get('verdict', '-')} | {verdicts.get('superiority', '-')} |")
     if summary["failed"]:
         lines += ["\n## Failed runs\n", *(f"- {f}" for f in summary["failed"])]
     lines += ["\n![accuracy per round](accuracy.png)\n",
@@ -292,6 +320,9 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
                         help="the row the others are compared with (default: the first)")
     parser.add_argument("--lr-grid", default="",
                         help="learning rates every row is tuned over, e.g. 0.01,0.05,0.1")
+    parser.add_argument("--margin", type=float, default=-1.0,
+                        help="accuracy points: a row is 'not worse' than the reference when "
+                        "its difference's 95%% interval lies at or above this (default -1)")
     parser.add_argument("--tuning-seed", type=int, default=0,
                         help="the seed grids are tuned on; not a report seed (default 0)")
     parser.add_argument("--validation-fraction", type=float, default=0.2,
@@ -353,12 +384,17 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
     (out / "clients.json").write_text(json.dumps({"supernodes": args.supernodes}))
     print(f"[compare] {len(rows)} rows x {len(args.seeds)} seeds, written to {out}",
           flush=True)
+    if len(set(budgets(rows).values())) > 1:
+        print(f"[compare] unequal tuning budgets ({budget_text(rows)}): the rows with more "
+              "configurations are favoured", flush=True)
     if federation is None:
         # the calling folder's modules (a user's model factory) import in every run
         with warm_federation(pythonpath=[Path.cwd()]) as comparison.federation:
-            summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference)
+            summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference,
+                              args.margin / 100)
     else:
-        summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference)
+        summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference,
+                          args.margin / 100)
     print(write_report(summary, out, command))
     print(f"[compare] report: {out / 'report.md'}", flush=True)
     return 1 if summary["failed"] else 0

@@ -162,6 +162,20 @@ def paired_difference(values: Mapping[int, float], reference: Mapping[int, float
     return {"seeds": seeds, "paired_diffs": diffs, "mean_diff": mean, "ci95": ci95}
 
 
+def judge_difference(difference: Mapping[str, Any] | None, margin: float) -> dict[str, Any]:
+    """A paired difference judged against ``margin`` (held when its 95% interval lies at or
+    above it: -0.01 is non-inferiority within a point, +0.05 five points better) and against
+    0 (superiority: held when the interval lies above 0); where the interval lies against the
+    margin. "not measured" without an interval (fewer than two common seeds)."""
+    if difference is None or difference["ci95"] is None:
+        return {"verdict": "not measured", "superiority": "not measured", "interval": None}
+    low, high = difference["ci95"]
+    return {"verdict": "held" if low >= margin else "did not hold",
+            "superiority": "held" if low > 0 else "did not hold",
+            "interval": ("above the margin" if low >= margin else
+                         "below the margin" if high < margin else "across the margin")}
+
+
 def mean_interval(values: Sequence[float]) -> tuple[float, tuple[float, float] | None]:
     """The mean of per-seed values and its 95% Student-t interval (None for one value)."""
     mean = statistics.fmean(values)

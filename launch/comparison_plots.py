@@ -30,17 +30,36 @@ def figure(width: float, height: float, columns: int = 1) -> tuple[Any, Any]:
     return fig, axes[0]
 
 
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+
+
+def row_style(index: int) -> dict[str, Any]:
+    """The ``index``-th row's colour, line style and marker: 20 colours (matplotlib's
+    ``tab20``, dark shades first), so that no two of up to 20 rows share a colour, and line
+    styles and markers that change from one row to the next as well."""
+    from matplotlib import colormaps
+
+    shade = (2 * index) % 20 + (2 * index) // 20 % 2
+    return {"color": colormaps["tab20"](shade), "linestyle": LINE_STYLES[index % 4],
+            "marker": MARKERS[index % len(MARKERS)]}
+
+
 def draw_curves(ax: Any, rows: Mapping[str, Curves]) -> None:
-    for label, (rounds, curves) in rows.items():
+    for index, (label, (rounds, curves)) in enumerate(rows.items()):
         array = np.asarray(curves, dtype=float)
-        ax.plot(rounds, array.mean(0), label=label)
-        ax.fill_between(rounds, array.min(0), array.max(0), alpha=0.15)
+        style = row_style(index)
+        ax.plot(rounds, array.mean(0), label=label, color=style["color"],
+                linestyle=style["linestyle"])
+        ax.fill_between(rounds, array.min(0), array.max(0), alpha=0.12, color=style["color"])
     ax.set(xlabel="round", ylabel="personalized accuracy (weighted)")
 
 
 def draw_accuracy_vs_uplink(ax: Any, rows: Mapping[str, Point]) -> None:
-    for label, (mb_up, mean, std) in rows.items():
-        ax.errorbar(mb_up, mean, yerr=std, fmt="o", label=label)
+    for index, (label, (mb_up, mean, std)) in enumerate(rows.items()):
+        style = row_style(index)
+        ax.errorbar(mb_up, mean, yerr=std, fmt=style["marker"], color=style["color"],
+                    label=label)
     ax.set(xlabel="uplink MB (total, log)", ylabel=f"accuracy (last {LAST_ROUNDS} rounds)",
            xscale="log")
 

@@ -5,6 +5,7 @@ trackers on, serves the tests that read it."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import subprocess
 
@@ -15,7 +16,7 @@ from launch.compare import main, parse_row
 from launch.comparison import last_rounds_mean, paired_difference, slope
 from tests.conftest import ROOT, read_mlflow_run
 
-ARGS = ["--methods", "fedavg,local", "--seeds", "1,2", "--supernodes", "2",
+ARGS = ["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1,2", "--supernodes", "2",
         "num-server-rounds=2", "local-epochs=1", "tracking=tensorboard,mlflow"]
 
 
@@ -95,21 +96,39 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
     assert not list((ROOT / "outputs").glob("compare-*"))
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["rows"]) == ["fedavg", "local"] and summary["failed"] == []
+    chosen = summary["rows"]["local"]["chosen"]
     for label, row in summary["rows"].items():
         assert row["seeds"] == ["1", "2"]  # as JSON keys them
+        tag = "defaults" if label == "fedavg" else f"lr={chosen['lr']}"
         for seed in (1, 2):
             results = json.loads(
-                (out / "runs" / label / f"report-defaults-seed{seed}" / "results.json")
+                (out / "runs" / label / f"report-{tag}-seed{seed}" / "results.json")
                 .read_text())
             assert results["config"]["seed"] == seed and results["method"] == label
+            assert results["evaluated_on"] == "test"
             curve = [r["eval"]["accuracy_weighted"] for r in results["rounds"]]
             assert row["curves"][str(seed)] == curve and len(curve) == 2
             assert row["per_seed"][str(seed)]["accuracy"] == pytest.approx(sum(curve) / 2)
+    # local's grid was tuned on seed 0, each configuration scored on validation splits only,
+    # and the one with the higher validation figure kept
+    tuned = {}
+    for lr in (0.01, 0.1):
+        results = json.loads((out / "runs" / "local" / f"tune-lr={lr}-seed0" / "results.json")
+                             .read_text())
+        assert results["evaluated_on"] == "validation"
+        assert results["config"]["validation-fraction"] == 0.2
+        tuned[lr] = last_rounds_mean([r["eval"]["accuracy_weighted"] for r in results["rounds"]])
+    assert chosen == {"lr": max(tuned, key=tuned.get)}
+    assert [t["evaluated_on"] for t in summary["rows"]["local"]["tuning"]] == ["validation"] * 2
     versus = summary["rows"]["local"]["versus_reference"]
     assert len(versus["paired_diffs"]) == 2 and versus["ci95"] is not None
+    verdicts = summary["rows"]["local"]["verdicts"]
+    assert verdicts["superiority"] == ("held" if versus["ci95"][0] > 0 else "did not hold")
+    assert summary["protocol"]["budgets"] == {"fedavg": 1, "local": 2}
     report = (out / "report.md").read_text()
-    assert "| fedavg | defaults | 2 |" in report and "| reference |" in report
+    assert "| fedavg | defaults (1) | 2 |" in report and "| reference |" in report
     assert f"{100 * versus['mean_diff']:+.1f} [" in report
+    assert "**Unequal tuning budgets** (fedavg 1, local 2" in report
     for plot in ("accuracy.png", "accuracy-vs-uplink.png"):
         assert (out / plot).stat().st_size > 0
     # run again into the same folder: every run is found, none is made again
@@ -124,7 +143,7 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
 def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(compared):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir = compared[0] / "runs" / "local" / "report-defaults-seed2"
+    run_dir = compared[0] / "runs" / "fedavg" / "report-defaults-seed2"
     results = json.loads((run_dir / "results.json").read_text())
     accuracy = [r["eval"]["accuracy_weighted"] for r in results["rounds"]]
     lowest = [r["eval"]["accuracy_min"] for r in results["rounds"]]
@@ -142,8 +161,8 @@ def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(c
     client, run, artifacts = read_mlflow_run(run_dir)
     history = client.get_metric_history(run.info.run_id, "accuracy/weighted")
     assert [(m.step, m.value) for m in history] == list(enumerate(accuracy, 1))
-    assert run.info.status == "FINISHED" and run.info.run_name == "local-seed2"
-    assert run.data.params["method"] == "local" and run.data.params["seed"] == "2"
+    assert run.info.status == "FINISHED" and run.info.run_name == "fedavg-seed2"
+    assert run.data.params["method"] == "fedavg" and run.data.params["seed"] == "2"
     assert json.loads((artifacts / "per_client" / "round-0002.json").read_text()) == \
         results["rounds"][-1]["eval"]["per_client"]
     assert json.loads((artifacts / "results.json").read_text())["status"] == "completed"
@@ -176,3 +195,23 @@ def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
     assert comparison.summary(row, "report", {}, 1) is None
     (out / "results.json").write_text(json.dumps({**results, "status": "failed"}))
     assert comparison.summary(row, "report", {}, 1) is None
+
+
+def test_every_row_of_a_plot_has_its_own_colour_and_neighbours_differ_in_line_style():
+    """The matrix's scenarios have up to 12 rows: no two may look alike."""
+    from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure
+
+    rows = {f"method{i}": ([1, 2, 3], [[0.1 * i, 0.2, 0.3], [0.1, 0.2, 0.3]])
+            for i in range(12)}
+    _, (curves, points) = figure(8, 4, columns=2)
+    draw_curves(curves, rows)
+    draw_accuracy_vs_uplink(points, {label: (float(i), 0.5, 0.01)
+                                     for i, label in enumerate(rows)})
+    lines = curves.get_lines()
+    assert [line.get_label() for line in lines] == list(rows)
+    colours = [tuple(line.get_color()) for line in lines]
+    assert len(set(colours)) == 12
+    styles = [line.get_linestyle() for line in lines]
+    assert all(a != b for a, b in itertools.pairwise(styles))
+    markers = [c.lines[0].get_marker() for c in points.containers]
+    assert len(set(zip(colours, markers, strict=True))) == 12

@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
-from launch.comparison import accuracy_difference, config_tag
+from launch.comparison import accuracy_difference, config_tag, judge_difference
 
 BEST_BASELINE = BASELINES
 
@@ -149,14 +149,13 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
         return record
     diff = accuracy_difference(row, reference, claim.figure)
     low, high = diff["ci95"] or (diff["mean_diff"], diff["mean_diff"])
-    held = diff["ci95"] is not None and low >= claim.margin
+    judged = judge_difference(diff, claim.margin)
+    held = judged["verdict"] == "held"
     record.update(reference=reference["label"], paired_diffs=diff["paired_diffs"],
                   mean_diff=diff["mean_diff"], ci95=list(diff["ci95"] or ()),
-                  interval=("above the margin" if low >= claim.margin else
-                            "below the margin" if high < claim.margin else
-                            "across the margin"),
-                  superiority=("held" if diff["ci95"] is not None and low > 0
-                               else "did not hold"),
+                  interval=judged["interval"],
+                  superiority=("did not hold" if diff["ci95"] is None
+                               else judged["superiority"]),
                   paper_effect_excluded=(claim.paper_effect is not None
                                          and not low <= claim.paper_effect <= high))
     if claim.max_uplink_share is not None:
