@@ -27,6 +27,31 @@ from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure
 CONVERGED = 0.001
 
 
+# Where a method here differs from its paper in a way that could move one of its verdicts;
+# each page's "Deviations" section has the whole list.
+DEVIATIONS = [
+    ("FedDecomp", "feddecomp", "a conv's factors have this project's shape (its rank counted "
+     "on min(I, O) * K), not the authors' int(ratio * O) * K rows; their scale is followed"),
+    ("FedDecomp", "feddecomp", "sigma is averaged over the clients that replied, not over all "
+     "clients as the authors' code does (cross-device only)"),
+    ("Factorized-FL", "factorized-fl", "mu starts Xavier (the authors' code), the paper "
+     "says zeros (both searched)"),
+    ("Factorized-FL", "factorized-fl", "absent clients count through their latest upload; "
+     "the paper averages over the round's clients (cross-device only)"),
+    ("pFedC", "pfedc", "eq. 7 counts absent holders through their latest branches "
+     "(cross-device only)"),
+    ("pFedC", "pfedc", "a branch's loss is averaged over the batch, eq. 3 divides it by its "
+     "number of classes (matters where MGDA-UB is off)"),
+    ("FedFac", "fedfac", "its static mode is a row of its own beside the dynamic one the "
+     "paper's later version recommends; the random split is of the estimate's size"),
+]
+
+
+def deviations() -> str:
+    return "\n".join(f"- {name}: {text} ([details](../../docs/methods/{page}.md))"
+                      for name, page, text in DEVIATIONS)
+
+
 def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
     """The 95% interval of the row's mean slope over its seeds (None for one seed)."""
     return mean_interval([f["slope"] for f in row["per_seed"].values()])[1]
@@ -211,6 +236,8 @@ def write_report(matrix: Matrix, command: str) -> str:
         "difference. Machine-readable: [`matrix/summary.json`](matrix/summary.json).\n\n",
         "## Paper claims\n\n", "\n".join(map(claim_line, judged_claims)), "\n\n",
     ]
+    parts += ["## Deviations from the papers that could move a verdict\n\n", deviations(),
+              "\n\n"]
     flagged = [f"- {s}/{label}: {flag(r)}" for s, rows in stats.items()
                for label, r in rows.items() if flag(r)]
     if flagged:
