@@ -58,7 +58,7 @@ def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
         if scenario not in scenarios:
             continue
         [(_, item)] = select([scenario], [f"{scenario}/{label}"])
-        config, _ = matrix.tuned(scenario, item, tune=False)
+        config, _ = matrix.reported(scenario, item)
         for seed in protocol.EXTRA_SEEDS:
             matrix.cell(scenario, item, "report", config, seed)
 from launch.federation import warm_federation  # noqa: E402

@@ -22,16 +22,17 @@ from tests.conftest import ROOT
 COMMON_DIGITS = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
 
 
-def _store(matrix: Matrix, scenario: str, item, config: dict, curve: list[float]) -> None:
-    """A tuning cell as ``Matrix.cell`` stores it, with the (validation) accuracy curve
-    given."""
-    run_config = matrix.run_config(scenario, item, "tune", config, 0, matrix.out)
-    path = protocol.cell_path(matrix.out, scenario, item.label, "tune", config, 0)
+def _store(matrix: Matrix, scenario: str, item, config: dict, curve: list[float],
+           stage: str = "tune", seed: int = 0) -> None:
+    """A cell as ``Matrix.cell`` stores it (a tuning cell unless ``stage`` says), with the
+    accuracy curve given (a tuning cell's is on validation splits)."""
+    run_config = matrix.run_config(scenario, item, stage, config, seed, matrix.out)
+    path = protocol.cell_path(matrix.out, scenario, item.label, stage, config, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "run_config": run_config, "resolved_config": matrix.resolved(item.method, run_config),
         "config": config, "num_clients": 3, "accuracy_per_round": curve, "accuracy_min": 0.0,
-        "evaluated_on": "validation",
+        "evaluated_on": "validation" if stage == "tune" else "test", "seed": seed,
         "mb_up_total": 1.0, "seconds_total": 1.0}))
 
 
@@ -59,6 +60,34 @@ def test_every_row_searches_the_same_learning_rates_and_the_same_extra_budget(tm
     # no row's choice can lie at an end of the grid unless the grid's ends are tried: it
     # spans two and a half decades
     assert protocol.LR_GRID[-1] / protocol.LR_GRID[0] >= 100
+
+
+def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rounds(tmp_path):
+    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
+    for k, lr in enumerate(protocol.LR_GRID):
+        _store(offline, "dirichlet-0.1", item, {"lr": lr}, [0.1 * k] * 2)
+    for config in protocol.settings_stage("fedavg", protocol.LR_GRID[-1]):
+        _store(offline, "dirichlet-0.1", item, config, [0.0] * 2)
+    tuned = {"lr": protocol.LR_GRID[-1]}
+    assert offline.reported("dirichlet-0.1", item) == (tuned, True)
+
+    def report(config: dict, rising: float) -> None:
+        rounds = config.get("num-server-rounds", 2)
+        for seed in protocol.REPORT_SEEDS:  # the seeds' slopes: rising +- 0.0002 a round
+            step = rising + 0.0002 * (seed - 3)
+            _store(offline, "dirichlet-0.1", item, config,
+                   [0.5 + step * r for r in range(rounds)], stage="report", seed=seed)
+
+    report(tuned, 0.01)  # a point a round: not converged, so the row asks for 4 rounds
+    longer = {**tuned, "num-server-rounds": 4}
+    assert offline.reported("dirichlet-0.1", item) == (longer, True)
+    report(longer, 0.0)  # flat: converged at 4 rounds
+    assert offline.reported("dirichlet-0.1", item) == (longer, True)
+    report(longer, 0.01)  # still rising at 4: 8, and there it stops, converged or not
+    report({**tuned, "num-server-rounds": 8}, 0.01)
+    assert offline.reported("dirichlet-0.1", item)[0]["num-server-rounds"] == 8
+    assert protocol.MAX_DOUBLINGS == 2
 
 
 def test_a_tuning_cell_reads_the_tuning_pool_and_is_scored_on_validation_splits(tmp_path):
@@ -281,6 +310,8 @@ def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
 def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_path,
                                                               monkeypatch):
     monkeypatch.setattr(protocol, "REPORT_SEEDS", (1, 2))
+    # 2-round curves are still rising: no longer runs here (the doubling has its own test)
+    monkeypatch.setattr(protocol, "MAX_DOUBLINGS", 0)
     common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
     chosen = select(["dirichlet-0.1"], ["fedavg", "local"])
     assert [item.label for _, item in chosen] == ["fedavg", "local"]

@@ -22,7 +22,7 @@ from bench.evidence.protocol import (
 )
 from bench.report import RESULTS, produced_by
 from common.config import app_defaults, app_packages
-from launch.comparison import choose, comparable_config, config_tag, summarize_run
+from launch.comparison import choose, comparable_config, config_tag, slope, summarize_run
 from launch.federation import LocalFederation
 from strategies.registry import REGISTRY
 
@@ -143,10 +143,30 @@ class Matrix:
         (``launch.comparison.choose``; never one round's, never a test split's)."""
         return chosen(self.searched(scenario, item, tune))
 
+    def reported(self, scenario: str, item: Entry, may_run: bool = False
+                 ) -> tuple[dict[str, Any], bool]:
+        """The configuration the row reports, and whether its search is complete: the tuned
+        one at the scenario's rounds, with ``num-server-rounds`` doubled while its report
+        seeds have not converged (``protocol.converged``), at most ``MAX_DOUBLINGS`` times.
+        ``may_run``: run each length's missing report seeds on the way."""
+        config, tuned = self.tuned(scenario, item, tune=False)
+        rounds = self.run_config(scenario, item, "report", config, 0, self.out)[
+            "num-server-rounds"]
+        for doubling in range(protocol.MAX_DOUBLINGS + 1):
+            current = config if doubling == 0 else {**config, "num-server-rounds": rounds}
+            cells = [self.cell(scenario, item, "report", current, seed, may_run=may_run)
+                     for seed in protocol.REPORT_SEEDS]
+            if (doubling == protocol.MAX_DOUBLINGS or any(c is None for c in cells)
+                    or protocol.converged([slope(c["accuracy_per_round"]) for c in cells])):
+                return current, tuned
+            rounds *= 2
+        raise AssertionError("unreachable")
+
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
-        """The ablation's cells on the report seeds (none before its row is tuned)."""
+        """The ablation's cells on the report seeds, at the rounds its row reports (none
+        before its row is tuned)."""
         [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
-        config, tuned = self.tuned(ablation.scenario, item, tune=False)
+        config, tuned = self.reported(ablation.scenario, item)
         if not tuned:
             if may_run:  # asked to run it: say why nothing ran
                 print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
@@ -177,14 +197,12 @@ def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
 
 
 def run(matrix: Matrix, chosen: list[tuple[str, Entry]], stage: str) -> None:
-    """Row by row, in the order given: its tuning runs, then its report seeds (so a stop
-    leaves whole rows behind)."""
+    """Row by row, in the order given: its tuning runs, then its report seeds, with more
+    rounds until it converges (so a stop leaves whole rows behind)."""
     for scenario, item in chosen:
         if stage in ("tune", "all"):
             matrix.tuned(scenario, item, tune=True)
         if stage in ("report", "all"):
-            config, _ = matrix.tuned(scenario, item, tune=False)
-            for seed in protocol.REPORT_SEEDS:
-                matrix.cell(scenario, item, "report", config, seed)
+            matrix.reported(scenario, item, may_run=True)
 
 

@@ -17,15 +17,9 @@ from launch.comparison import (
     accuracy_difference,
     config_tag,
     last_rounds_mean,
-    mean_interval,
     points,
 )
 from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
-
-# A row has converged when the upper end of the 95% interval (over seeds) of its last-10-round
-# slope is at most this, in accuracy a round: one claim margin (a point) per 10 rounds.
-CONVERGED = 0.001
-
 
 # Where a method here differs from its paper in a way that could move one of its verdicts;
 # each page's "Deviations" section has the whole list.
@@ -53,8 +47,9 @@ def deviations() -> str:
 
 
 def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
-    """The 95% interval of the row's mean slope over its seeds (None for one seed)."""
-    return mean_interval([f["slope"] for f in row["per_seed"].values()])[1]
+    """The 95% interval of the row's mean slope over its report seeds (None for one)."""
+    return protocol.slope_interval([f["slope"] for s, f in row["per_seed"].items()
+                                    if s in protocol.REPORT_SEEDS])
 
 
 def flag(row: dict[str, Any]) -> str:
@@ -62,11 +57,12 @@ def flag(row: dict[str, Any]) -> str:
     interval = slope_ci95(row)
     if interval is None:
         return "one seed: convergence cannot be judged"
-    if interval[1] > CONVERGED:
+    if interval[1] > protocol.CONVERGED_SLOPE:
         return (f"not converged at round {row['cells'][0]['rounds'][-1]}: slope over the "
                 f"last 10 rounds {100 * row['slope'][0]:+.2f} points a round, 95% interval "
                 f"[{100 * interval[0]:+.2f}, {100 * interval[1]:+.2f}] (converged: at most "
-                f"{100 * CONVERGED:+.2f})")
+                f"{100 * protocol.CONVERGED_SLOPE:+.2f}; the rounds were doubled at most "
+                f"{protocol.MAX_DOUBLINGS} times)")
     return ""
 
 
@@ -98,7 +94,7 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
             rows[f"{scenario}/{label}"] = {
                 "method": r["method"], "num_clients": matrix.clients(scenario),
                 "fraction_train": config.get("fraction-train", 1.0),
-                "rounds": config.get("num-server-rounds", matrix.common["num-server-rounds"]),
+                "rounds": r["cells"][0]["run_config"]["num-server-rounds"],
                 "lr_grid": sorted({c["lr"] for c in r["grid"]}), "grid": r["grid"],
                 "chosen": r["chosen"], "tuned": r["tuned"],
                 "searched_on": SCENARIOS[scenario].searched_on or scenario,
@@ -122,7 +118,8 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                          "validation_fraction": protocol.TUNING["validation-fraction"],
                          "tuning_pool": {"dataset": "fashion-mnist", "size": POOL_SIZE,
                                          "disjoint_from_report_pool": True},
-                         "converged_slope": CONVERGED,
+                         "converged_slope": protocol.CONVERGED_SLOPE,
+                         "max_doublings": protocol.MAX_DOUBLINGS,
                          "lr_grid": list(protocol.LR_GRID),
                          "extra_configs": protocol.EXTRA_CONFIGS,
                          "common_knobs": protocol.COMMON_KNOBS,
@@ -229,7 +226,9 @@ def write_report(matrix: Matrix, command: str) -> str:
         "of pFedC's mean accuracy over tasks, a task a class); min client: the same last-5 "
         "mean for the lowest client; slope: accuracy points per round over the last 10 "
         "rounds, flagged ⚑ where a row has not converged (the upper end of its 95% interval "
-        f"over seeds above {100 * CONVERGED:+.2f} points a round: a margin per 10 rounds); "
+        f"over seeds above {100 * protocol.CONVERGED_SLOPE:+.2f} points a round: a margin per "
+        "10 rounds; such a row runs its report seeds again with twice the rounds, at most "
+        f"{protocol.MAX_DOUBLINGS} times); "
         "uplink and seconds per run. A claim is judged on the per-seed paired difference "
         "against its reference: held when its 95% interval lies at or above the margin; "
         "beside it, whether the interval lies above 0 (better at all) and the paper's own "

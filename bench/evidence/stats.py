@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.evidence import protocol
-from bench.evidence.cells import Matrix, chosen
+from bench.evidence.cells import Matrix
 from bench.evidence.protocol import Entry
 from launch.comparison import config_tag, last_rounds_mean, mean_std, method_stats
 
@@ -16,7 +16,7 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
     (None before any ran): the figures of the compare command, the search it was chosen
     from, and the mean task accuracy where its cells have it."""
     searched = matrix.searched(scenario, item, tune=False)
-    config, tuned = chosen(searched)
+    config, tuned = matrix.reported(scenario, item)
     cells = {seed: c for seed in (*protocol.REPORT_SEEDS, *protocol.EXTRA_SEEDS)
              if (c := matrix.cell(scenario, item, "report", config, seed, may_run=False))
              is not None}
