@@ -136,8 +136,12 @@ def selection_figure(summary: Mapping[str, Any]) -> float:
 
 def choose(tried: Sequence[tuple[Any, Mapping[str, Any]]]) -> Any:
     """Of ``(configuration, tuning run summary)`` pairs, the configuration with the highest
-    ``selection_figure`` (the first of equals)."""
-    return max(tried, key=lambda pair: selection_figure(pair[1]))[0]
+    ``selection_figure`` (the first of equals); a run that diverged (``"status":
+    "diverged"``: its losses stopped being finite) is never chosen."""
+    finished = [pair for pair in tried if pair[1].get("status") != "diverged"]
+    if not finished:
+        raise ValueError("every configuration diverged: widen the search downwards")
+    return max(finished, key=lambda pair: selection_figure(pair[1]))[0]
 
 
 def method_stats(per_seed: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:

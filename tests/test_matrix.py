@@ -90,6 +90,34 @@ def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rou
     assert protocol.MAX_DOUBLINGS == 2
 
 
+def test_a_configuration_that_diverged_is_a_result_of_the_search_never_chosen(tmp_path):
+    """lr 0.3 diverged (its run failed on non-finite losses): stored, so the search is
+    complete, and the best of the others is chosen."""
+    from bench.evidence.cells import divergence
+
+    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
+    for lr in protocol.LR_GRID[:-1]:
+        _store(offline, "dirichlet-0.1", item, {"lr": lr}, [0.5 if lr == 0.03 else 0.4] * 2)
+    _store(offline, "dirichlet-0.1", item, {"lr": 0.3}, [])
+    path = protocol.cell_path(tmp_path, "dirichlet-0.1", "fedavg", "tune", {"lr": 0.3}, 0)
+    cell = json.loads(path.read_text())
+    del cell["accuracy_per_round"]
+    path.write_text(json.dumps({**cell, "status": "diverged", "reason": "round 3: ..."}))
+    searched = offline.searched("dirichlet-0.1", item, tune=False)
+    assert len(searched) == len(protocol.LR_GRID) + protocol.EXTRA_CONFIGS
+    assert all(c["lr"] == 0.03 for c, _ in searched[len(protocol.LR_GRID):])
+    # a failed run is a divergence only where its replies stopped being finite
+    out = tmp_path / "run"
+    out.mkdir()
+    for reason, diverged in (("round 40: no client's evaluation arrived (40 dropped: metric "
+                              "'loss' is not finite)", True),
+                             ("round 2: no reply within round-timeout", False)):
+        (out / "results.json").write_text(json.dumps({"status": "failed", "reason": reason}))
+        assert (divergence(out) == reason) is diverged
+    assert divergence(tmp_path / "nowhere") is None
+
+
 def test_a_tuning_cell_reads_the_tuning_pool_and_is_scored_on_validation_splits(tmp_path):
     item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
     matrix = Matrix(None, {**COMMON_DIGITS, "dataset": "/pools/report.npz"}, tmp_path,

@@ -99,22 +99,29 @@ class Matrix:
         run = self.federation.run(ROOT, run_config, num_supernodes=self.clients(scenario),
                                   timeout=3600)
         wall = time.monotonic() - started
-        if not run.ok:
-            print(run.output[-3000:], file=sys.stderr)
-            print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: run failed "
-                  f"({run.status}); not stored, the next invocation tries again",
-                  file=sys.stderr)
-            return None
         record = {"scenario": scenario, "label": item.label, "stage": stage,
                   "config": config, "seed": seed, "run_config": run_config,
                   "resolved_config": resolved, "num_clients": self.clients(scenario),
                   "commit": commit, "wall_seconds": wall,
-                  "machine": f"{os.cpu_count()} CPU cores, device {self.device}",
-                  **summarize_run(json.loads((out / "results.json").read_text()))}
+                  "machine": f"{os.cpu_count()} CPU cores, device {self.device}"}
+        if not run.ok:
+            reason = divergence(out)
+            if stage != "tune" or reason is None:
+                print(run.output[-3000:], file=sys.stderr)
+                print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: run failed "
+                      f"({run.status}); not stored, the next invocation tries again",
+                      file=sys.stderr)
+                return None
+            # a configuration of the search that diverged: a result of the search, which
+            # can never be chosen (launch.comparison.choose)
+            record.update(status="diverged", reason=reason)
+        else:
+            record.update(summarize_run(json.loads((out / "results.json").read_text())))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
-        print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: "
-              f"acc {record['accuracy_weighted']:.4f} min {record['accuracy_min']:.4f} "
+        figures = (f"diverged ({record['reason']})" if "reason" in record else
+                   f"acc {record['accuracy_weighted']:.4f} min {record['accuracy_min']:.4f}")
+        print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: {figures} "
               f"{wall:.0f} s", flush=True)
         return record
 
@@ -179,6 +186,18 @@ class Matrix:
         return [c for seed in (*protocol.REPORT_SEEDS, *extra) if (c := self.cell(
             ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
             may_run=may_run)) is not None]
+
+
+def divergence(out: Path) -> str | None:
+    """Why a failed run under ``out`` diverged (its clients' losses or arrays stopped being
+    finite, so that no reply was valid), or None where it failed otherwise (a crash, a
+    timeout: not stored, tried again)."""
+    path = out / "results.json"
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    reason = str(results.get("reason", ""))
+    return reason if results.get("status") == "failed" and "not finite" in reason else None
 
 
 def chosen(searched: list[tuple[dict[str, Any], dict[str, Any] | None]]

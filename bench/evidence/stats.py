@@ -25,6 +25,8 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
     stats = {"label": item.label, "method": item.method, "config": config_tag(config),
              "chosen": matrix.method_config(scenario, item, config), "tuned": tuned,
              "grid": [matrix.method_config(scenario, item, c) for c, _ in searched],
+             "diverged": [matrix.method_config(scenario, item, c) for c, cell in searched
+                          if cell is not None and cell.get("status") == "diverged"],
              **method_stats(cells), "seeds": len(cells), "cells": list(cells.values())}
     if all("accuracy_task_per_round" in c for c in cells.values()):
         stats["accuracy_task"] = mean_std([last_rounds_mean(c["accuracy_task_per_round"])
