@@ -48,10 +48,10 @@ def app_defaults(root: Path = APP_ROOT) -> dict[str, Any]:
 
 
 def app_packages(root: Path = APP_ROOT) -> list[str]:
-    """The app's Python packages (``[tool.setuptools.packages.find] include``): the code that
-    travels in its bundle and that results depend on."""
-    found = _pyproject(root)["tool"]["setuptools"]["packages"]["find"]
-    return [pattern.rstrip("*") for pattern in found["include"]]
+    """The app's Python packages (the folders of ``[tool.flwr.app] fab-include``): the code
+    that travels in its bundle and that results depend on."""
+    patterns = _pyproject(root)["tool"]["flwr"]["app"]["fab-include"]
+    return list(dict.fromkeys(pattern.split("/", 1)[0] for pattern in patterns))
 
 
 def _pyproject(root: Path) -> dict[str, Any]:
@@ -156,12 +156,14 @@ def node_owners(text: str) -> dict[str, set[str]]:
     return owners
 
 
-def at_most_local_epochs(name: str, epochs: int, local_epochs: int) -> None:
-    """A method's phase length (``fedrep.head-epochs``, ``feddecomp.lora-epochs``) fits in
-    ``local-epochs``."""
-    if not 0 <= epochs <= local_epochs:
-        raise ConfigError(f"{name}: {epochs} is out of range; allowed: "
-                          f"[0, local-epochs={local_epochs}]")
+def leaves_shared_epochs(name: str, epochs: int, local_epochs: int) -> None:
+    """A method's personal phase (``fedrep.head-epochs``, ``feddecomp.lora-epochs``) leaves
+    at least one of the ``local-epochs`` to the shared part: otherwise the shared part is
+    never trained and the federation learns nothing, without a word."""
+    if epochs < 0 or (epochs >= local_epochs and local_epochs > 0) or (
+            local_epochs == 0 and epochs != 0):
+        raise ConfigError(f"{name}: {epochs} leaves no epoch of local-epochs={local_epochs} "
+                          f"to the shared part; allowed: [0, {max(local_epochs - 1, 0)}]")
 
 
 @dataclass(frozen=True)

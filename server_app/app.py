@@ -4,21 +4,32 @@ write results.json after each one."""
 from __future__ import annotations
 
 import random
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 
 from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from common.config import ConfigError
+from common.config import ConfigError, RunSettings
 from common.protocol import error_reason
 from server_app.results import ResultsRecorder, output_dir
 from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
 from server_app.tracking import Tracking
 from strategies.engine import RunFailedError
 from strategies.registry import REGISTRY, initial_state, load_settings
+from strategies.wire import WireSpec
 
 app = ServerApp()
+
+
+def nothing_personal(settings: RunSettings, wire: WireSpec) -> str | None:
+    """The start-up warning for a personalized method that keeps nothing personal on the
+    run's model (FedBN on a model without BatchNorm): it silently runs as FedAvg."""
+    if not REGISTRY[settings.method].personalized or wire.personal_keys:
+        return None
+    return (f"{settings.method} keeps nothing personal on this model (model "
+            f"{settings.model or 'of the dataset'!r}): every parameter is shared, so it runs "
+            "as FedAvg (docs/methods/)")
 
 
 @app.main()
@@ -42,6 +53,8 @@ def main(grid: Grid, context: Context) -> None:
     recorder = ResultsRecorder(settings, strategy, out_dir, tracking)
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
         settings.dataset, settings.partitioner, recorder.out_dir)
+    if (warning := nothing_personal(settings, wire)) is not None:
+        log(WARNING, "[start] %s", warning)
     first_round, arrays = 1, initial
     run_ids = [str(context.run_id)]  # this run and the runs it continues
     if checkpoint is not None:

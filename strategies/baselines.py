@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from common.config import KeyGroup, RunSettings, at_most_local_epochs, key
+from common.config import KeyGroup, RunSettings, key, leaves_shared_epochs
 from strategies.method import Method
 from strategies.training import LocalTraining, train_epochs, train_everything
 from strategies.wire import WireSpec, state_keys
@@ -70,7 +70,7 @@ class FedRepSettings(KeyGroup):
 
 
 def check_fedrep(settings: RunSettings[FedRepSettings], model: nn.Module) -> None:
-    at_most_local_epochs("fedrep.head-epochs", settings.method_settings.head_epochs,
+    leaves_shared_epochs("fedrep.head-epochs", settings.method_settings.head_epochs,
                          settings.local_epochs)
 
 
@@ -98,11 +98,12 @@ def train_fedrep(job: LocalTraining[FedRepSettings]) -> float:
     return train_epochs(job, body, body_epochs) if body_epochs > 0 else head_loss
 
 
-FEDAVG = Method("fedavg")
-FEDPROX = Method("fedprox", local_train=train_fedprox, settings=FedProxSettings)
+FEDAVG = Method("fedavg", personalized=False)
+FEDPROX = Method("fedprox", local_train=train_fedprox, settings=FedProxSettings,
+                 personalized=False)
 LOCAL = Method("local", wire=NothingShared)
 FEDPER = Method("fedper", wire=BodyShared)
 FEDREP = Method("fedrep", wire=BodyShared, local_train=train_fedrep, settings=FedRepSettings,
                 check=check_fedrep)
 FEDBN = Method("fedbn", wire=NonBatchNormShared)
-FEDAVG_FT = Method("fedavg-ft", fine_tune=train_everything)
+FEDAVG_FT = Method("fedavg-ft", fine_tune=train_everything, personalized=False)

@@ -81,6 +81,9 @@ class Method(Generic[MethodSettingsT]):
     check: Callable[[RunSettings[MethodSettingsT], nn.Module], None] = no_checks
     actions: dict[str, Callable[..., Any]] = field(default_factory=dict)
     fine_tune: Callable[[LocalTraining[MethodSettingsT]], float] | None = None
+    # False: the method shares everything by design (FedAvg, FedProx, FedAvg-FT); a
+    # personalized method with nothing personal on the run's model is warned about at start
+    personalized: bool = True
 
     def build_model(self, settings: RunSettings) -> nn.Module:
         """The run's model, identical on the server and on every client (seeded init)."""

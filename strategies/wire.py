@@ -38,6 +38,7 @@ class WireSpec(Generic[MethodSettingsT]):
         self.shared_keys: list[str] = self.select_shared(model)
         self.shared_spec: ArraySpec = tensor_spec(model.state_dict(), self.shared_keys)
         self.always_personal: list[str] = self.select_always_personal(model)
+        self.personal_keys: list[str] = self.select_personal(model)
 
     # ------------------------------------------------------------------ declarations
     def select_shared(self, model: nn.Module) -> list[str]:
@@ -48,6 +49,13 @@ class WireSpec(Generic[MethodSettingsT]):
         """Tensors a client keeps even though they also travel (FedFac: partly personal
         tensors). Everything that is not both received and sent back is kept anyway."""
         return []
+
+    def select_personal(self, model: nn.Module) -> list[str]:
+        """What can stay on a client on this model: the keys never sent, and the tensors
+        kept because they are partly personal. Empty: the method personalizes nothing here
+        (FedBN on a model without BatchNorm), and the ServerApp warns at start."""
+        sent = set(self.shared_keys)
+        return [k for k in state_keys(model) if k not in sent] + self.always_personal
 
     def client_info(self, data: ClientData) -> dict[str, Any]:
         """Extra entries of the reply's ``client`` record (visible to the server: document

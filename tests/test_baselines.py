@@ -3,6 +3,7 @@ evaluation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from flwr.app import Context, RecordDict
 
@@ -45,3 +46,22 @@ def test_fedavg_ft_evaluates_a_fine_tuned_copy_and_sends_what_fedavg_sends():
     assert client.evaluate(model, 3).accuracy == tuned
     fedavg = wire_spec(load_settings(app_config(method="fedavg")))
     assert wire_spec(client.settings).shared_spec == fedavg.shared_spec
+
+
+@pytest.mark.parametrize(("method", "overrides", "warned"), [
+    ("fedbn", {"dataset": "synthetic-fedfac", "model": "mlp"}, True),  # no BatchNorm
+    ("fedbn", {}, False),
+    ("pfedc", {"pfedc.tasks": 1}, True),       # one task: pFedC is FedAvg
+    ("fedfac", {"fedfac.tau-quantile": -1.0}, True),  # every element shared
+    ("fedavg", {}, False),                     # shares everything by design: no warning
+    ("fedper", {}, False), ("feddecomp", {}, False), ("factorized-fl", {}, False),
+])
+def test_a_personalized_method_with_nothing_personal_on_the_model_is_warned_about(
+        method, overrides, warned):
+    from server_app.app import nothing_personal
+
+    settings = load_settings(app_config(method=method, **overrides))
+    warning = nothing_personal(settings, initial_state(settings).wire)
+    assert (warning is not None) == warned
+    if warned:
+        assert warning.startswith(f"{method} keeps nothing personal") and "FedAvg" in warning

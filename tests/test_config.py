@@ -36,7 +36,9 @@ def test_pyproject_defaults_are_valid_and_hold_every_design_key():
     ("dirichlet-alpha", 0.0, "dirichlet-alpha: 0.0 is out of range"),
     ("test-fraction", 1.5, "test-fraction: 1.5 is out of range"),
     ("lr", "fast", "lr: expected float, got 'fast'"),
-    ("fedrep.head-epochs", 9, "fedrep.head-epochs: 9 is out of range"),
+    ("fedrep.head-epochs", 9, "fedrep.head-epochs: 9 leaves no epoch of local-epochs=2"),
+    ("fedrep.head-epochs", 2, "fedrep.head-epochs: 2 leaves no epoch of local-epochs=2 to the "
+                              "shared part; allowed: [0, 1]"),
 ])
 def test_bad_values_raise_one_line(key, value, message):
     config = {**defaults(), key: value}

@@ -49,6 +49,20 @@ CONFIG_MISTAKES = [
 ]
 
 
+def test_a_setting_that_leaves_the_shared_part_untrained_stops_with_one_line(tmp_path):
+    """``method=fedrep local-epochs=1``: the default ``fedrep.head-epochs`` (1) would train
+    the head in the one epoch and the shared body never. A method's rule across keys is
+    checked on its model built on the ``meta`` device, so the launcher imports PyTorch first
+    (more CPU than the mistakes above), and still stops before anything starts."""
+    done, _, cpu_seconds = demo("method=fedrep", "local-epochs=1",
+                                f"output-dir={tmp_path / 'out'}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == ("pflower: fedrep.head-epochs: 1 leaves no epoch of local-epochs=1 "
+                           "to the shared part; allowed: [0, 0]\n")
+    assert cpu_seconds < 20, cpu_seconds
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(("overrides", "line"), CONFIG_MISTAKES,
                          ids=[" ".join(o) for o, _ in CONFIG_MISTAKES])
 def test_a_config_mistake_stops_before_flower_starts_with_one_line(tmp_path, overrides, line):

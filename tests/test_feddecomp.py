@@ -95,7 +95,7 @@ def test_a_linear_ratio_above_one_stops_with_one_line():
 
 
 def _client(tmp_path, pid=0, **overrides) -> Client:
-    run_config = app_config(**{"method": "feddecomp", "local-epochs": 1,
+    run_config = app_config(**{"method": "feddecomp", "local-epochs": 2,
                                "feddecomp.lora-epochs": 1, "partitioner": "iid", **overrides})
     return Client.from_context(Context(
         run_id=1, node_id=pid, node_config={"partition-id": pid, "num-partitions": 4},
@@ -213,23 +213,18 @@ def test_defaults_are_the_authors_ranks_and_leave_sigma_epochs():
     assert isinstance(head, DecomposedLinear) and head.rank == 4
 
 
-def test_lora_epochs_equal_to_local_epochs_trains_only_tau(tmp_path):
-    """Documented behaviour (docs/methods/feddecomp.md): every epoch trains ``tau`` on top of
-    the shared ``sigma``, so the client sends back exactly what it received."""
-    client = _client(tmp_path, **{"local-epochs": 2, "feddecomp.lora-epochs": 2})
-    received = initial_state(client.settings).arrays
-    model = _train(client, received)
-    sent = client.shared_arrays(model, received)
-    assert any(model.state_dict()[k].any() for k in model.state_dict() if k.endswith("lora_B"))
-    for key in received:
-        if "running_" in key or "num_batches" in key:
-            continue  # BatchNorm statistics follow the data in every phase
-        np.testing.assert_array_equal(sent[key].numpy(), received[key].numpy(), err_msg=key)
+def test_lora_epochs_that_leave_sigma_untrained_stop_at_start():
+    """``lora-epochs = local-epochs`` would train only ``tau``: the shared ``sigma`` would
+    never move and the federation would learn nothing; the run stops with one line."""
+    with pytest.raises(ConfigError, match=r"^feddecomp\.lora-epochs: 2 leaves no epoch of "
+                                          r"local-epochs=2 to the shared part; allowed: "
+                                          r"\[0, 1\]$"):
+        load_settings(app_config(**{"method": "feddecomp", "local-epochs": 2,
+                                    "feddecomp.lora-epochs": 2}))
 
 
 def test_config_checks():
-    with pytest.raises(ConfigError, match=r"feddecomp\.lora-epochs: 3 is out of range; "
-                                          r"allowed: \[0, local-epochs=2\]"):
+    with pytest.raises(ConfigError, match=r"feddecomp\.lora-epochs: 3 leaves no epoch"):
         load_settings(app_config(**{"method": "feddecomp", "local-epochs": 2,
                                                   "feddecomp.lora-epochs": 3}))
     with pytest.raises(ConfigError, match=r"feddecomp\.rank-conv"):

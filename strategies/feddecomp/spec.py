@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from common.config import ConfigError, KeyGroup, RunSettings, at_most_local_epochs, key
+from common.config import ConfigError, KeyGroup, RunSettings, key, leaves_shared_epochs
 from models.feddecomp import TAU_SCALES, is_personal_key
 from strategies.wire import WireSpec, state_keys
 
@@ -42,7 +42,7 @@ def linear_rank(settings: RunSettings[FedDecompSettings]) -> int | float:
 
 def check(settings: RunSettings[FedDecompSettings], model: nn.Module) -> None:
     linear_rank(settings)
-    at_most_local_epochs("feddecomp.lora-epochs", settings.method_settings.lora_epochs,
+    leaves_shared_epochs("feddecomp.lora-epochs", settings.method_settings.lora_epochs,
                          settings.local_epochs)
 
 

@@ -62,6 +62,10 @@ class SharedRows(WireSpec[FedFacSettings]):
     def select_always_personal(self, model: nn.Module) -> list[str]:
         return list(self.layer_of_key)
 
+    def select_personal(self, model: nn.Module) -> list[str]:
+        # a quantile below 0 shares every element: nothing stays personal
+        return [] if self.settings.method_settings.tau_quantile < 0 else self.always_personal
+
     # ------------------------------------------------------------------ downlink
     def pack_downlink(self, arrays: ArrayRecord, split: dict[str, np.ndarray]) -> ArrayRecord:
         """Server side: the analysed layers' shared rows, every other key whole, the masks."""

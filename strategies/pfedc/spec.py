@@ -55,6 +55,13 @@ class HeldBranches(WireSpec[PFedCSettings]):
             if task is not None:
                 self.keys_of_task.setdefault(task, []).append(name)
 
+    def select_personal(self, model: nn.Module) -> list[str]:
+        """A client keeps the branches of the tasks it does not hold: with one task there
+        are none (pFedC with one task is FedAvg)."""
+        branches = [k for k in self.shared_keys if branch_of_key(k) is not None]
+        tasks = {branch_of_key(k) for k in branches}
+        return branches if len(tasks) > 1 else []
+
     def client_info(self, data: ClientData) -> dict[str, Any]:
         counts = np.bincount(data.y_train, minlength=data.num_classes)
         options = self.settings.method_settings
