@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
-PARTITIONERS = ("iid", "dirichlet", "pathological", "domain")
+PARTITIONERS = ("iid", "dirichlet", "pathological", "domain", "natural")
 FEATURE_SHIFTS = ("none", "rotate")  # fldata/partition.py: feature_shift
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N"
@@ -177,6 +177,7 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     data_root: str = key("data-root")
     data_cache: str = key("data-cache")
     partitioner: str = key("partitioner", choices=PARTITIONERS)
+    partition_column: str = key("partition-column")
     dirichlet_alpha: float = key("dirichlet-alpha", low=0, low_open=True)
     min_partition_size: int = key("min-partition-size", low=0)
     classes_per_client: int = key("classes-per-client", low=1)
@@ -229,6 +230,10 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
         raw = dict(run_config)
         settings = dataclasses.replace(cls.parse(raw), raw=raw)
         node_owners(settings.node_owners)
+        if settings.partitioner == "natural" and not settings.partition_column:
+            raise ConfigError("partition-column: the natural partitioner needs the column "
+                              "whose distinct values are the clients, e.g. "
+                              "partition-column='writer'")
         device = settings.device
         if not (device in ("auto", "cpu", "cuda") or
                 (device.startswith("cuda:") and device[5:].isdigit())):

@@ -23,6 +23,7 @@ from fldata.partition import (
     check_feature_shift,
     feature_shift,
     label_permutation,
+    natural_indices,
     partition_indices,
     train_test_split,
 )
@@ -32,6 +33,7 @@ from fldata.sources import (
     arrays_from_hf,
     digits_pool,
     hub_unreachable,
+    load_column,
     load_local,
 )
 
@@ -275,8 +277,19 @@ def partition_arrays(settings: RunSettings, partition_id: int,
     if (source := pool_source(settings)) is None:
         return _hub_partition(settings, partition_id, num_partitions)
     x_pool, y_pool = _checked_pool(settings, source)
-    idx = partition_indices(y_pool, settings, partition_id, num_partitions)
+    if settings.partitioner == "natural":
+        ids = _natural_ids(source, json.dumps(fingerprint(source)), settings.partition_column)
+        idx = natural_indices(ids, settings.partition_column, partition_id, num_partitions)
+    else:
+        idx = partition_indices(y_pool, settings, partition_id, num_partitions)
     return x_pool[idx], y_pool[idx]
+
+
+@lru_cache(maxsize=2)
+def _natural_ids(path: str, version: str, column: str) -> np.ndarray:
+    """The column the natural partitioner splits a local pool by, kept while its files
+    (``version``) stay the same."""
+    return load_column(path, column)
 
 
 def load_client_data(settings: RunSettings, partition_id: int, num_partitions: int,

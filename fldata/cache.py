@@ -33,10 +33,10 @@ FORMAT = 2  # bumped whenever the split rule changes: 2 keeps a test example bac
 # removes the ones unused the longest); empty it with `rm -rf ~/.cache/pflower/partitions`.
 MAX_CACHE_BYTES = 2 * 1024**3
 ARRAYS = ("x_train", "y_train", "x_test", "y_test")
-DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "dirichlet-alpha",
-             "min-partition-size", "classes-per-client", "domain-groups", "seed", "test-fraction",
-             "validation-fraction", "permute-labels", "feature-shift", "feature-shift-groups",
-             "num-classes", "input-shape")
+DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "partition-column",
+             "dirichlet-alpha", "min-partition-size", "classes-per-client", "domain-groups",
+             "seed", "test-fraction", "validation-fraction", "permute-labels", "feature-shift",
+             "feature-shift-groups", "num-classes", "input-shape")
 
 
 def default_cache_dir(state_dir: str | None) -> Path:

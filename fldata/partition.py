@@ -28,6 +28,7 @@ def make_partitioner(settings: RunSettings, num_partitions: int, pool_size: int,
     from flwr_datasets.partitioner import (
         DirichletPartitioner,
         IidPartitioner,
+        NaturalIdPartitioner,
         PathologicalPartitioner,
     )
 
@@ -35,6 +36,8 @@ def make_partitioner(settings: RunSettings, num_partitions: int, pool_size: int,
 
     if settings.partitioner == "iid":
         return IidPartitioner(num_partitions)
+    if settings.partitioner == "natural":
+        return NaturalIdPartitioner(partition_by=settings.partition_column)
     if settings.partitioner == "dirichlet":
         return DirichletPartitioner(
             num_partitions, partition_by, settings.dirichlet_alpha,
@@ -48,6 +51,26 @@ def make_partitioner(settings: RunSettings, num_partitions: int, pool_size: int,
             class_assignment_mode="deterministic", shuffle=True, seed=settings.seed)
     return DomainPartitioner(num_partitions, settings.domain_groups, partition_by,
                              seed=settings.seed)
+
+
+def natural_indices(ids: np.ndarray, column: str, partition_id: int,
+                    num_partitions: int) -> np.ndarray:
+    """Indices of client ``partition_id``'s examples under the natural partitioner: one
+    client per distinct value of ``ids`` (the dataset's ``column``: a writer, a site, a
+    device), in sorted order of the values (flwr-datasets' ``NaturalIdPartitioner``). A run
+    with another number of clients stops with one line."""
+    import datasets
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    partitioner = NaturalIdPartitioner(partition_by=column)
+    partitioner.dataset = datasets.Dataset.from_dict({"idx": np.arange(len(ids)),
+                                                      column: ids.tolist()})
+    if partitioner.num_partitions != num_partitions:
+        raise ConfigError(f"partition-column: {column!r} holds {partitioner.num_partitions} "
+                          f"distinct values, one client each, but the run has "
+                          f"{num_partitions} clients (SUPERNODES, or the sites' "
+                          "num-partitions)")
+    return np.sort(np.asarray(partitioner.load_partition(partition_id)["idx"], dtype=np.int64))
 
 
 def min_partition_size(settings: RunSettings, num_partitions: int, pool_size: int) -> int:

@@ -239,6 +239,27 @@ def resolve_local(path: str | Path) -> Path:
     return found[0]
 
 
+def load_column(path: str | Path, column: str) -> np.ndarray:
+    """One column of a local dataset of the ``datasets`` kinds (a parquet, csv or json file,
+    a saved dataset): what the natural partitioner splits by."""
+    path = resolve_local(path)
+    if path.suffix == ".npz" or holds_idx(path) or not (
+            (path.is_file() and path.suffix.lower() in DATA_FILES) or _saved_by_datasets(path)):
+        raise ConfigError(f"partitioner: 'natural' needs a dataset with columns (a parquet, "
+                          f"csv or json file, or a saved dataset); {path.name} has none")
+    import datasets
+
+    loaded = (datasets.load_dataset(DATA_FILES[path.suffix.lower()], data_files=str(path),
+                                    split="train") if path.is_file()
+              else datasets.load_from_disk(str(path)))
+    if isinstance(loaded, datasets.DatasetDict):
+        loaded = loaded["train"]
+    if column not in loaded.column_names:
+        raise ConfigError(f"partition-column: no column {column!r}; the dataset has "
+                          f"{', '.join(loaded.column_names)}")
+    return np.asarray(loaded[column])
+
+
 def load_local(path: str | Path, label_column: str = "label",
                image_column: str = "") -> tuple[np.ndarray, np.ndarray]:
     """A dataset on local disk, for air-gapped devices.

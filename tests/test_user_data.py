@@ -48,9 +48,13 @@ def write_image_folder(root: Path) -> Path:
     return root
 
 
+WRITERS = 3
+
+
 def write_parquet(path: Path) -> Path:
     """A parquet file as another tool writes it: PNG bytes in ``picture``, class names in
-    ``digit``, no ``datasets`` metadata."""
+    ``digit``, who wrote each digit in ``writer`` (``WRITERS`` of them, in turn), no
+    ``datasets`` metadata."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -58,7 +62,9 @@ def write_parquet(path: Path) -> Path:
     pictures = pa.array([{"bytes": png(image), "path": None} for image in images],
                         pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
     pq.write_table(pa.table({"picture": pictures,
-                             "digit": [f"digit {label}" for label in labels]}), path)
+                             "digit": [f"digit {label}" for label in labels],
+                             "writer": [f"writer-{n % WRITERS}" for n in range(len(labels))]}),
+                   path)
     return path
 
 
@@ -101,6 +107,32 @@ def test_a_local_dataset_is_partitioned_by_the_run_partitioner(user_data, kind, 
         assert max(classes) > 2, classes
 
 
+def test_the_natural_partitioner_gives_each_writer_its_own_client(user_data):
+    """One client per distinct value of ``partition-column``: here each writer's digits,
+    train and test, and nobody else's."""
+    settings = load_settings(app_config(**user_data["parquet"], partitioner="natural",
+                                        **{"partition-column": "writer"}))
+    images, _ = digit_images()
+    for pid in range(WRITERS):  # writers sort as writer-0, writer-1, writer-2
+        part = load_client_data(settings, pid, WRITERS)
+        held = np.concatenate([part.x_train, part.x_test])
+        mine = normalise_images(images[pid::WRITERS])
+        assert len(held) == len(mine)
+        assert {x.tobytes() for x in held} == {x.tobytes() for x in mine}
+    # another number of clients than writers: one line naming the key
+    with pytest.raises(ConfigError, match=r"^partition-column: 'writer' holds 3 distinct "
+                                          r"values, one client each, but the run has 4 "
+                                          r"clients") as error:
+        load_client_data(settings, 0, 4)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="partition-column: the natural partitioner needs"):
+        load_settings(app_config(**user_data["parquet"], partitioner="natural"))
+    with pytest.raises(ConfigError, match="partition-column: no column 'author'"):
+        load_client_data(load_settings(app_config(
+            **user_data["parquet"], partitioner="natural", **{"partition-column": "author"})),
+            0, WRITERS)
+
+
 def test_a_missing_column_is_named_in_one_line(user_data):
     with pytest.raises(ConfigError, match="label-column: no column 'label'; the dataset has "
                                           "picture, digit"):
@@ -123,9 +155,11 @@ def test_hub_ids_are_told_from_local_paths(tmp_path):
 # test_a_local_dataset_is_partitioned_by_the_run_partitioner)
 @pytest.mark.integration
 @pytest.mark.parametrize(("kind", "partitioner"), [("image-folder", "dirichlet"),
-                                                   ("parquet", "pathological")])
+                                                   ("parquet", "pathological"),
+                                                   ("parquet", "natural")])
 def test_a_users_dataset_runs_two_rounds(federation, tmp_path, user_data, kind, partitioner):
     run = federation.run(ROOT, {**user_data[kind], "partitioner": partitioner,
+                                "partition-column": "writer" if partitioner == "natural" else "",
                                 "classes-per-client": 4, "min-partition-size": 5,
                                 "num-server-rounds": 2, "local-epochs": 1, "plot": False,
                                 "output-dir": str(tmp_path)}, num_supernodes=3)
