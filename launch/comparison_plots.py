@@ -56,12 +56,19 @@ def draw_curves(ax: Any, rows: Mapping[str, Curves]) -> None:
 
 
 def draw_accuracy_vs_uplink(ax: Any, rows: Mapping[str, Point]) -> None:
+    """Each row's accuracy (± std) against its uplink, each point labelled beside it (rows
+    of equal uplink and accuracy, FedAvg's and FedProx's say, would hide each other); a log
+    axis only where the uplinks span more than a factor of 10."""
+    uplinks = [mb for mb, _, _ in rows.values()]
+    wide = bool(uplinks) and min(uplinks) > 0 and max(uplinks) / min(uplinks) > 10
     for index, (label, (mb_up, mean, std)) in enumerate(rows.items()):
         style = row_style(index)
         ax.errorbar(mb_up, mean, yerr=std, fmt=style["marker"], color=style["color"],
                     label=label)
-    ax.set(xlabel="uplink MB (total, log)", ylabel=f"accuracy (last {LAST_ROUNDS} rounds)",
-           xscale="log")
+        ax.annotate(label, (mb_up, mean), xytext=(4, 4 + 7 * (index % 3)),
+                    textcoords="offset points", fontsize=6, color=style["color"])
+    ax.set(xlabel=f"uplink MB (total{', log' if wide else ''})",
+           ylabel=f"accuracy (last {LAST_ROUNDS} rounds)", xscale="log" if wide else "linear")
 
 
 def save(fig: Any, path: Path) -> None:

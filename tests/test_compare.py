@@ -129,6 +129,13 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
     assert "| fedavg | defaults (1) | 2 |" in report and "| reference |" in report
     assert f"{100 * versus['mean_diff']:+.1f} [" in report
     assert "**Unequal tuning budgets** (fedavg 1, local 2" in report
+    # one unit throughout (points), the slope over the rounds that ran, and a warning that
+    # two seeds cannot tell methods apart
+    fedavg = summary["rows"]["fedavg"]
+    assert (f"| {100 * fedavg['accuracy'][0]:.1f} ± {100 * fedavg['accuracy'][1]:.1f} | "
+            in report)
+    assert "over the last 2 rounds" in report and "last 10 rounds" not in report
+    assert "**2 seeds only**" in report
     for plot in ("accuracy.png", "accuracy-vs-uplink.png"):
         assert (out / plot).stat().st_size > 0
     # run again into the same folder: every run is found, none is made again
@@ -215,3 +222,12 @@ def test_every_row_of_a_plot_has_its_own_colour_and_neighbours_differ_in_line_st
     assert all(a != b for a, b in itertools.pairwise(styles))
     markers = [c.lines[0].get_marker() for c in points.containers]
     assert len(set(zip(colours, markers, strict=True))) == 12
+    # every point is labelled where it stands; a log axis only for uplinks over a factor of
+    # 10 (Local sends 0 MB, which a log axis cannot show)
+    assert [t.get_text() for t in points.texts] == list(rows)
+    assert points.get_xscale() == "linear"
+    _, (wide, narrow) = figure(8, 4, columns=2)
+    draw_accuracy_vs_uplink(wide, {"a": (0.4, 0.5, 0.0), "b": (16.0, 0.6, 0.0)})
+    draw_accuracy_vs_uplink(narrow, {"a": (16.0, 0.5, 0.0), "b": (16.4, 0.6, 0.0)})
+    assert (wide.get_xscale(), narrow.get_xscale()) == ("log", "linear")
+
