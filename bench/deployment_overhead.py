@@ -6,7 +6,10 @@ Runs the same config (digits) as ``flwr run`` in simulation (Ray workers stay up
 messages) and on a loopback deployment (``flower-superlink`` + ``--sites``
 ``flower-supernode`` processes, ``launch/deployment.py``, where every message starts a
 fresh ``flwr-clientapp`` process), each with fused evaluation (one exchange a round, the
-default) and with the two-exchange protocol. Per round it reports the wall time and the
+default) and with the two-exchange protocol; and on the same deployment Flower's floor, a
+minimal app whose ClientApp imports PyTorch and replies at once (``bench/floor_app``,
+through plain ``flower-supernode``), and the config through ``pflower-supernode`` (each
+site's ClientApps forked warm, ``launch/site.py``). Per round it reports the wall time and the
 breakdown that ``results.json`` records: the server's wait per exchange, and per client
 message the means of process start-up and imports, setup (run config, model), data loading,
 training and evaluation. It also times ``import client_app.app`` in fresh interpreters
@@ -89,6 +92,22 @@ def measure(runtime, config: dict, out: Path, **kwargs) -> dict[str, Any]:
             "accuracy": rounds[-1]["eval"]["accuracy_weighted"]}
 
 
+def floor_rounds(sites: int, rounds: int, out: Path) -> dict[str, Any]:
+    """Flower's floor on the deployment: the floor app's rounds through plain
+    ``flower-supernode`` (its ServerApp times each round's send and receive)."""
+    with LocalDeployment(sites) as deployment:
+        start = time.perf_counter()
+        run = deployment.flwr_run(ROOT / "bench" / "floor_app",
+                                  {"num-server-rounds": rounds, "min-nodes": sites,
+                                   "output-dir": str(out)}, [], timeout=600)
+        wall = time.perf_counter() - start
+    if not run.ok:
+        raise SystemExit(run.output[-3000:])
+    seconds = json.loads((out / "floor.json").read_text())["round_seconds"]
+    return {"wall": wall, "rounds": seconds,
+            "round_seconds": statistics.median(seconds[1:] or seconds)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -100,6 +119,10 @@ def main() -> None:
               "min-nodes": args.sites}
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        floor = floor_rounds(args.sites, args.rounds, Path(tmp) / "floor")
+        with LocalDeployment(args.sites, supernode="pflower-supernode") as deployment:
+            rows["deployment, fused, pflower-supernode (warm ClientApps)"] = measure(
+                deployment, {**config, "fused-evaluation": True}, Path(tmp) / "dep-warm")
         for fused in (True, False):
             label = "fused" if fused else "two exchanges"
             setting = {**config, "fused-evaluation": fused}
@@ -127,6 +150,13 @@ def main() -> None:
                      f"{r['exchanges']:.0f} | {r['wait_seconds']:.2f} s | "
                      f"{r['startup']:.2f} s | {r['setup']:.2f} s | {r['data']:.3f} s | "
                      f"{r['train']:.2f} s | {r['evaluate']:.3f} s | {r['accuracy']:.4f} |")
+    warm = rows["deployment, fused, pflower-supernode (warm ClientApps)"]["round_seconds"]
+    lines += ["", f"Flower's floor on the same deployment (`bench/floor_app`: a ClientApp that "
+              f"imports PyTorch and replies at once, plain `flower-supernode`): "
+              f"**{floor['round_seconds']:.2f} s** a round (median of rounds 2..; every "
+              f"round: {', '.join(f'{x:.2f}' for x in floor['rounds'])} s). {args.method} "
+              f"through `pflower-supernode`: **{warm / floor['round_seconds']:.2f}x** the "
+              "floor's round."]
     lines += ["", f"`import client_app.app` in a fresh interpreter: **{imports:.2f} s** "
               f"(median of {args.import_repeats}); largest parts: "
               + ", ".join(f"`{n}` {s:.2f} s" for n, s in top) + "."]
@@ -136,7 +166,8 @@ def main() -> None:
                  f"({args.method}, digits, {args.sites} sites)", command,
                  "\n".join(lines) + "\n")
     (RESULTS / "deployment_overhead.json").write_text(json.dumps(
-        {"command": command, "runs": rows, "import_seconds": imports, "import_top": top},
+        {"command": command, "runs": rows, "floor": floor, "import_seconds": imports,
+         "import_top": top},
         indent=2))
 
 

@@ -80,14 +80,17 @@ class LocalDeployment(LocalFederation):
     ``poll_interval``: how often each SuperExec looks for a message's work to start
     (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``; Flower's default is 1 s). ``forkserver``: the
     SuperNodes' ``flwr-clientapp`` processes (one per message) and the SuperLink's
-    ``flwr-serverapp`` are forked warm from it (in a site's namespace, with ``namespaces``)."""
+    ``flwr-serverapp`` are forked warm from it (in a site's namespace, with ``namespaces``).
+    ``supernode``: the command a site runs, ``flower-supernode`` or ``pflower-supernode``
+    (each site with a fork server of its own, as on a real device: ``launch/site.py``)."""
 
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
                  home: str | Path | None = None, namespaces: bool = False,
                  supernode_auth: bool = False, node_names: dict[int, str] | None = None,
                  client_ids: dict[int, str] | None = None,
                  start_sites: list[int] | None = None, site_threads: int | None = None,
-                 poll_interval: float = 0.2, forkserver: ForkServer | None = None) -> None:
+                 poll_interval: float = 0.2, forkserver: ForkServer | None = None,
+                 supernode: str = "flower-supernode") -> None:
         super().__init__(home, forkserver=forkserver)
         if supernode_auth and not certs_dir:
             raise ValueError("SuperNode authentication needs TLS (certs_dir)")
@@ -100,6 +103,7 @@ class LocalDeployment(LocalFederation):
         self.site_threads = (max(1, (os.cpu_count() or 1) // num_sites)
                              if site_threads is None else site_threads)
         self.poll_interval = poll_interval
+        self.supernode = supernode
         self.site_ports = [free_port() for _ in range(num_sites)]
         self.sites: dict[int, subprocess.Popen] = {}
         self.namespaces = namespaces
@@ -226,7 +230,7 @@ class LocalDeployment(LocalFederation):
                        f"state-dir='{self.state_dir(site)}'")
         prefix = ["ip", "netns", "exec", self.namespace(site)] if self.namespaces else []
         self.sites[site] = self._spawn(
-            [*prefix, "flower-supernode", *security, "--superlink",
+            [*prefix, self.supernode, *security, "--superlink",
              f"{self._superlink_address(site)}:{self.http_port}",
              "--host", "127.0.0.1", "--port", str(self.site_ports[site]),
              "--node-config", node_config], f"site-{site}.log",

@@ -172,20 +172,38 @@ def write_shims(bin_dir: Path, commands: Mapping[str, str]) -> None:
         shim.chmod(0o755)
 
 
-def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str]) -> None:
-    """A container's entrypoint: start a fork server for ``commands`` in the background,
-    then become ``argv`` (e.g. ``flower-superexec ...``) with their shims first on its
-    ``PATH`` (never returns). ``argv`` does not wait for the server's imports: until the
-    server listens, a shim runs the real command. The server keeps the container's own
-    environment, and stops when ``argv``'s process is gone (it holds the server's stdin)."""
+def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str],
+                            wait: float | None = None) -> None:
+    """A container's entrypoint, or a site's (``pflower-supernode``): start a fork server for
+    ``commands`` in the background, then become ``argv`` (e.g. ``flower-superexec ...``)
+    with their shims first on its ``PATH`` (never returns). With ``wait`` None, ``argv``
+    does not wait for the server's imports: until the server listens, a shim runs the real
+    command. With ``wait`` seconds, ``argv`` starts once the server is ready, and a server
+    that is not ready by then raises RuntimeError (its last log line), ``argv`` not started.
+    The server keeps the environment, and stops when ``argv``'s process is gone (it holds
+    the server's stdin)."""
     folder = _private_folder()
     bin_dir = folder / "bin"
     write_shims(bin_dir, commands)
     socket_path = folder / "socket"
     read_end, write_end = os.pipe()
-    subprocess.Popen(_server_command(socket_path, commands), stdin=read_end,
-                     stdout=subprocess.DEVNULL, start_new_session=True)
+    log = folder / "forkserver.log"
+    with log.open("wb") as errors:
+        server = subprocess.Popen(
+            _server_command(socket_path, commands), stdin=read_end,
+            stdout=subprocess.DEVNULL if wait is None else subprocess.PIPE, stderr=errors,
+            start_new_session=wait is None)
     os.close(read_end)
+    if wait is not None:
+        ready = server.stdout.read(len(READY)) if _readable(server.stdout, wait) else b""
+        server.stdout.close()
+        if ready != READY:
+            os.close(write_end)  # the server stops: its launcher is gone
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(5)
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RuntimeError(f"the fork server did not start ({' '.join(tail) or 'no output'})")
     os.set_inheritable(write_end, True)
     env = {**os.environ, SOCKET_ENV: str(socket_path),
            "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", os.defpath)])}
@@ -203,7 +221,13 @@ def serve(socket_path: str, commands: Mapping[str, str]) -> None:
     import importlib
     import importlib.util
 
+    # Never a CUDA call here (torch.cuda.*, a tensor on a GPU): a forked child cannot use a
+    # CUDA context its parent created. Each child initialises CUDA itself, lazily, when its
+    # app first puts something on a GPU. The app itself is never imported here either: each
+    # child imports the app version its SuperNode installed for its run.
     for module in PRELOAD:
+        if module == "ray" and "flwr-simulation" not in commands:
+            continue  # a site's ClientApps never start Ray
         if importlib.util.find_spec(module) is not None:
             importlib.import_module(module)
     entries = {}

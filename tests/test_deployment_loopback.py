@@ -198,8 +198,9 @@ def test_the_readme_loopback_recipe_runs_as_written(tmp_path, forkserver):
     """The README's deployment without Docker, pasted into bash in a copy of the app, with
     ``SITES=2`` (its default is 3; two show the same): every site trains and evaluates every
     round, results land where it says, and its last line leaves no Flower process behind.
-    The recipe's commands run as written; the ServerApp and ClientApps they start are
-    forked warm (the fork server's shims first on PATH)."""
+    The recipe's commands run as written: its sites are ``pflower-supernode``s, each
+    forking its ClientApps from a fork server of its own; the ServerApp is forked warm from
+    the session's (its shims first on PATH). Its status line is read uncut (JSON)."""
     app_dir = copy_app(tmp_path / "app")
     warm = forkserver.env()
     process = subprocess.Popen(
@@ -216,6 +217,7 @@ def test_the_readme_loopback_recipe_runs_as_written(tmp_path, forkserver):
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, output[-3000:]
     assert "[final] results written to outputs/loopback/results.json" in output
+    assert '"status": "finished:completed"' in output
     results = read_results(app_dir / "outputs" / "loopback")
     assert results["status"] == "completed" and results["method"] == "fedper"
     assert [r["round"] for r in results["rounds"]] == [1, 2, 3]

@@ -1,0 +1,59 @@
+"""``pflower-supernode``: Flower's ``flower-supernode``, its ClientApps started warm.
+
+A SuperNode starts a fresh ``flwr-clientapp`` process for every message it receives, and each
+spends 2-4 s importing Flower and PyTorch before 0.05-0.5 s of work. ``pflower-supernode``
+takes exactly ``flower-supernode``'s arguments and runs it with a fork server's
+``flwr-clientapp`` shim first on its ``PATH`` (``launch/forkserver.py``, the SuperExec
+image's ``--exec`` mode): the server imports Flower, PyTorch and NumPy once, and each
+message's ClientApp is a child forked from it.
+
+- Isolation as before: every message still runs in a process of its own, with the
+  SuperNode's environment and working folder; a ClientApp that crashes or is killed takes
+  only its own child with it.
+- The app is never imported by the fork server, so the app version (FAB) the SuperNode
+  installed for a run is the one that runs, also when it changed since the last run.
+- GPUs: CUDA is initialised in each child, never in the fork server.
+- Memory: one more process per site (the fork server), whose pages its children share
+  copy-on-write.
+- Off: ``PFLOWER_WARM_CLIENTAPPS=0``. Where the fork server cannot run (not Linux, no Unix
+  sockets, the server fails to start), plain ``flower-supernode`` runs, and one line says why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from launch.forkserver import COMMANDS, exec_beside_fork_server
+
+OFF_ENV = "PFLOWER_WARM_CLIENTAPPS"
+READY_SECONDS = 120  # the fork server's imports, on a slow or busy site
+SITE_COMMANDS = {"flwr-clientapp": COMMANDS["flwr-clientapp"]}
+
+
+def why_not_warm() -> str | None:
+    """Why this site cannot start its ClientApps warm (None: it can)."""
+    if os.environ.get(OFF_ENV, "1") == "0":
+        return f"{OFF_ENV}=0"
+    if not sys.platform.startswith("linux"):
+        return f"the fork server needs Linux, not {sys.platform}"
+    if not hasattr(socket, "AF_UNIX") or not hasattr(os, "pidfd_open"):
+        return "this Python has no Unix sockets or pidfds"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``pflower-supernode ARGS``: become ``flower-supernode ARGS``, warm where it can."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    reason = why_not_warm()
+    if reason is None:
+        try:
+            exec_beside_fork_server(["flower-supernode", *args], SITE_COMMANDS,
+                                    wait=READY_SECONDS)
+        except (OSError, RuntimeError) as error:
+            reason = str(error)
+    print(f"pflower-supernode: ClientApps start cold ({reason}); running plain "
+          "flower-supernode", file=sys.stderr, flush=True)
+    os.execvp("flower-supernode", ["flower-supernode", *args])
