@@ -72,21 +72,32 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
     return valid, strategy.ledger.record(server_round).dropped
 
 
-@pytest.mark.parametrize(("method", "overrides"), SCENARIOS,
-                         ids=[f"{m}-{'-'.join(map(str, o.values())) or 'default'}"
-                              for m, o in SCENARIOS])
-def test_replies_built_from_the_wire_spec_pass_validation(method, overrides):
+def _three_rounds(method: str, overrides: dict):
+    """Rounds 1-3 of ``method`` with four clients, each round's replies validated as in a
+    run (before and after per-client tables and FedFac's split): yields the round, the
+    strategy, the clients, the valid replies and the dropped ones; aggregates after each."""
     run_config = app_config(method=method, **overrides)
     clients = [make_client(p, run_config) for p in range(4)]
     settings = clients[0].settings
     initial, wire = initial_state(settings)
     strategy = REGISTRY[method].strategy(settings, initial, wire)
     arrays = initial
-    for server_round in (1, 2, 3):  # before and after per-client tables and FedFac's split
+    for server_round in (1, 2, 3):
         valid, dropped = _round_trip(strategy, clients, server_round, arrays)
+        yield server_round, strategy, clients, valid, dropped
+        arrays = strategy.aggregate_train(server_round, valid, arrays)
+
+
+@pytest.mark.parametrize(("method", "overrides"), SCENARIOS,
+                         ids=[f"{m}-{'-'.join(map(str, o.values())) or 'default'}"
+                              for m, o in SCENARIOS])
+def test_replies_built_from_the_wire_spec_pass_validation(method, overrides):
+    rounds = list(_three_rounds(method, overrides))
+    for _, _, _, valid, dropped in rounds:
         assert dropped == []
         assert [r.client_id for r in valid] == ["0", "1", "2", "3"]
-        arrays = strategy.aggregate_train(server_round, valid, arrays)
+    _, strategy, clients, valid, _ = rounds[-1]
+    initial = initial_state(clients[0].settings).arrays
     if method == "fedfac":
         assert strategy.split is not None
     if method == "pfedc" and overrides:
@@ -161,14 +172,9 @@ def test_a_client_sends_exactly_its_methods_shared_part_in_every_round(method, o
     """Every key a client does not keep sends, every key it keeps stays; FedFac's static mode
     sends only the shared rows of its analysed layers once the split exists (its dynamic mode
     sends whole rows: the analysis needs them every round)."""
-    run_config = app_config(method=method, **overrides)
-    clients = [make_client(p, run_config) for p in range(4)]
-    settings = clients[0].settings
-    initial, wire = initial_state(settings)
-    strategy = REGISTRY[method].strategy(settings, initial, wire)
-    arrays = initial
-    for server_round in (1, 2, 3):
-        valid, _ = _round_trip(strategy, clients, server_round, arrays)
+    for server_round, strategy, clients, valid, _ in _three_rounds(method, overrides):
+        settings = clients[0].settings
+        initial = initial_state(settings).arrays
         for client, reply in zip(clients, valid, strict=True):
             model = client.model(initial)
             personal = {k for k in model.state_dict()
@@ -181,4 +187,3 @@ def test_a_client_sends_exactly_its_methods_shared_part_in_every_round(method, o
                     rows = (int(split[layer].sum()) if static and split is not None
                             else model.state_dict()[key].shape[0])
                     assert reply.arrays[key].shape[0] == rows, (key, server_round)
-        arrays = strategy.aggregate_train(server_round, valid, arrays)
