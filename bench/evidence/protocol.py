@@ -275,6 +275,8 @@ def pool_file(size: int = POOL_SIZE, role: str = "report") -> Path:
     """The subsample of Fashion-MNIST's training images the report cells read (``role``
     "report"), or the one the tuning cells read ("tuning"), drawn from the images the report
     pool does not hold; each written once."""
+    if role not in ("report", "tuning"):
+        raise ValueError(f"role: {role!r}; a pool is the report or the tuning pool")
     name = f"fashion-mnist-{size}.npz" if role == "report" else f"fashion-mnist-{size}-{role}.npz"
     path = Path("~/.cache/pflower/bench").expanduser() / name
     if not path.exists():
