@@ -395,7 +395,8 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
     """The tuning cells are written here (their accuracies decide which configuration is
     kept); the ablation itself is a real run."""
     monkeypatch.setattr(protocol, "REPORT_SEEDS", (1,))
-    common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 2, "plot": False}
+    # 3 local epochs: the FedDecomp row trains tau for 2 of them and sigma for the third
+    common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 3, "plot": False}
     probe = protocol.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
     monkeypatch.setattr(protocol, "ABLATIONS", [probe])
     offline = Matrix(None, common, tmp_path, num_clients=3)
