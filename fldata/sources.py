@@ -247,13 +247,7 @@ def load_column(path: str | Path, column: str) -> np.ndarray:
             (path.is_file() and path.suffix.lower() in DATA_FILES) or _saved_by_datasets(path)):
         raise ConfigError(f"partitioner: 'natural' needs a dataset with columns (a parquet, "
                           f"csv or json file, or a saved dataset); {path.name} has none")
-    import datasets
-
-    loaded = (datasets.load_dataset(DATA_FILES[path.suffix.lower()], data_files=str(path),
-                                    split="train") if path.is_file()
-              else datasets.load_from_disk(str(path)))
-    if isinstance(loaded, datasets.DatasetDict):
-        loaded = loaded["train"]
+    loaded = _open_dataset(path)
     if column not in loaded.column_names:
         raise ConfigError(f"partition-column: no column {column!r}; the dataset has "
                           f"{', '.join(loaded.column_names)}")
@@ -279,18 +273,22 @@ def load_local(path: str | Path, label_column: str = "label",
             return data["x"].astype(np.float32), data["y"].astype(np.int64)
     if holds_idx(path):
         return idx_pool(path)
+    if path.is_file() and path.suffix.lower() not in DATA_FILES:
+        raise ConfigError(f"dataset: cannot read {path.name}; a local file must be .npz or "
+                          f"{', '.join(DATA_FILES)}")
+    return arrays_from_hf(_open_dataset(path), label_column, image_column)
+
+
+def _open_dataset(path: Path) -> datasets.Dataset:
+    """A local dataset ``datasets`` opens: a ``DATA_FILES`` file, a saved dataset, else an
+    image folder; a ``DatasetDict``'s train split."""
     import datasets
 
     if path.is_file():
-        if path.suffix.lower() not in DATA_FILES:
-            raise ConfigError(f"dataset: cannot read {path.name}; a local file must be .npz or "
-                             f"{', '.join(DATA_FILES)}")
         loaded = datasets.load_dataset(DATA_FILES[path.suffix.lower()],
                                        data_files=str(path), split="train")
     elif _saved_by_datasets(path):
         loaded = datasets.load_from_disk(str(path))
     else:
         loaded = datasets.load_dataset("imagefolder", data_dir=str(path), split="train")
-    if isinstance(loaded, datasets.DatasetDict):
-        loaded = loaded["train"]
-    return arrays_from_hf(loaded, label_column, image_column)
+    return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
