@@ -35,7 +35,7 @@ from common.config import TRACKERS, ConfigError
 
 # tracker name -> (the module it needs, the package that provides it)
 REQUIREMENTS = {"tensorboard": ("tensorboard", "tensorboard"),
-                "mlflow": ("mlflow", "mlflow-skinny")}
+                "mlflow": ("mlflow", "mlflow")}
 
 
 def check_installed(names: list[str]) -> None:

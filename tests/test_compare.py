@@ -8,13 +8,18 @@ import contextlib
 import itertools
 import json
 import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
 
 import pytest
 
 from common.config import app_defaults
 from launch.compare import main, parse_row
 from launch.comparison import last_rounds_mean, paired_difference, slope
-from tests.conftest import ROOT, read_mlflow_run
+from launch.processes import free_port, stop_process_groups
+from tests.conftest import ROOT, read_mlflow_run, wait_for
 
 ARGS = ["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1,2", "--supernodes", "2",
         "num-server-rounds=2", "local-epochs=1", "tracking=tensorboard,mlflow"]
@@ -173,6 +178,68 @@ def test_tracking_writes_tensorboard_events_and_an_mlflow_run_equal_to_results(c
     assert json.loads((artifacts / "per_client" / "round-0002.json").read_text()) == \
         results["rounds"][-1]["eval"]["per_client"]
     assert json.loads((artifacts / "results.json").read_text())["status"] == "completed"
+
+
+def http_json(url: str, body: dict | None = None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def serving(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status == 200 and b"<html" in reply.read(4096).lower()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def viewer(command: list[str], port: int):
+    """A viewer started as docs/tracking.md writes it, on loopback; its page served."""
+    installed = Path(sys.executable).parent  # the console scripts of the tracking extra
+    process = subprocess.Popen([str(installed / command[0]), *command[1:], "--host",
+                                "127.0.0.1", "--port", str(port)], start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            assert process.poll() is None, f"{command[0]} exited with {process.returncode}"
+            return serving(f"http://127.0.0.1:{port}/")
+
+        wait_for(up, timeout=180)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process_groups(process, term_wait=10)
+
+
+@pytest.mark.integration
+def test_the_viewers_open_a_tracked_runs_store_over_http(compared):
+    run_dir = compared[0] / "runs" / "fedavg" / "report-defaults-seed2"
+    results = json.loads((run_dir / "results.json").read_text())
+    accuracy = [r["eval"]["accuracy_weighted"] for r in results["rounds"]]
+    store = f"sqlite:///{run_dir / 'mlflow.db'}"
+    with viewer(["mlflow", "ui", "--workers", "1", "--backend-store-uri", store],
+                free_port()) as url:
+        api = f"{url}/api/2.0/mlflow"
+        experiment = http_json(f"{api}/experiments/get-by-name?experiment_name=pflower")
+        (run,) = http_json(f"{api}/runs/search",
+                           {"experiment_ids": [experiment["experiment"]["experiment_id"]]}
+                           )["runs"]
+        assert run["info"]["run_name"] == "fedavg-seed2"
+        assert run["info"]["status"] == "FINISHED"
+        query = urllib.parse.urlencode({"run_id": run["info"]["run_id"],
+                                        "metric_key": "accuracy/weighted"})
+        history = http_json(f"{api}/metrics/get-history?{query}")["metrics"]
+        assert [(m["step"], m["value"]) for m in history] == list(enumerate(accuracy, 1))
+    # all the comparison's runs side by side, as docs/tracking.md says
+    with viewer(["tensorboard", "--logdir", str(compared[0] / "runs")], free_port()) as url:
+        run_name = "fedavg/report-defaults-seed2/tensorboard"
+        wait_for(lambda: run_name in http_json(f"{url}/data/runs"), timeout=60)
+        query = urllib.parse.urlencode({"run": run_name, "tag": "accuracy/weighted"})
+        scalars = http_json(f"{url}/data/plugin/scalars/scalars?{query}")
+        assert [(step, pytest.approx(value, rel=1e-6)) for _, step, value in scalars] == \
+            list(enumerate(accuracy, 1))
 
 
 def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):

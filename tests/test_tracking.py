@@ -30,10 +30,10 @@ def test_tracking_names_are_checked_with_one_line():
 
 
 def test_a_tracker_whose_package_is_missing_stops_with_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.setitem(tracking.REQUIREMENTS, "mlflow", ("no_such_module_xyz", "mlflow-skinny"))
+    monkeypatch.setitem(tracking.REQUIREMENTS, "mlflow", ("no_such_module_xyz", "mlflow"))
     with pytest.raises(ConfigError) as raised:
         Tracking(["tensorboard", "mlflow"], tmp_path, {})
-    assert str(raised.value) == ("tracking: mlflow-skinny not installed where the ServerApp "
+    assert str(raised.value) == ("tracking: mlflow not installed where the ServerApp "
                                  "runs; install the extra: pip install -e '.[tracking]'")
     assert not (tmp_path / "tensorboard").exists()  # nothing started
 
