@@ -47,7 +47,10 @@ from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
 
 # The ServerApp's last line of a completed run (server_app/results.py): the run's work is done
-RESULTS_WRITTEN = "[final] results written to"
+RESULTS_WRITTEN = "[final] wrote to "
+# The ServerApp's first line names the folder the run writes to (server_app/app.py)
+RESULTS_FOLDER = re.compile(r"\[start\] .*, results in (.+?)\s*$")
+RUN_LOG = "flower.log"  # the run's whole stream, noise included, beside its results
 SUPEREXEC_POLL_SECONDS = 0.1
 STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
 # after the run has finished, for its last lines: the SuperLink ends the stream at its next
@@ -55,11 +58,28 @@ STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
 STREAM_GRACE_SECONDS = 10.0
 # Flower's words before the ServerApp's exception in a failed run's status details
 FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
-# Lines Flower 1.41 prints for every simulation that do not hold for ours (its size is set
-# per run): left out of the echoed stream, kept in ``FlowerRun.output``.
+# Lines Flower and Ray print for every simulation that a user cannot act on: left out of the
+# echoed stream, kept in ``FlowerRun.output`` (and the demo's flower.log). The federation's
+# size is set per run; the app is installed into a private FLWR_HOME per run; the actors'
+# "Manually terminating" warning is Flower's normal shutdown of its Ray actors; Ray's tip
+# about its future GPU default is filtered where it is raised (``LocalFederation.env``).
 FLOWER_NOISE = ("default simulated SuperNodes changed from 10 to 2",
                 "To change federation size, use the following command",
-                "flwr federation simulation-config @none/default <superlink>")
+                "flwr federation simulation-config @none/default <superlink>",
+                "Successfully installed pflower to ",
+                "Manually terminating ClientAppActor")
+# Flower's empty log line at the end of a simulation
+EMPTY_LOG_LINE = re.compile(r"^(\x1b\[\d+m)?INFO (\x1b\[0m)?:\s*$")
+# Ray's FutureWarning, raised in flwr-simulation's ray.init() on every run, about a default
+# that changes in a later Ray. Its only off switch (RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0)
+# would take the behaviour it announces now: clients given no GPU would see every GPU.
+# Filtered by its words, module and category only.
+RAY_GPU_TIP = "ignore:Tip:FutureWarning:ray._private.worker"
+
+
+def is_noise(line: str) -> bool:
+    """A line of a run's stream that the echo leaves out (``FLOWER_NOISE``)."""
+    return any(noise in line for noise in FLOWER_NOISE) or bool(EMPTY_LOG_LINE.match(line))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -139,7 +159,8 @@ class LocalFederation:
         path_env = ({"PYTHONPATH": os.pathsep.join([*self.pythonpath, *inherited])}
                     if self.pythonpath else {})
         warm = self.forkserver.env() if self.forkserver is not None else {}
-        return {**os.environ, **ray_env, **path_env, **warm,
+        warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), RAY_GPU_TIP]))
+        return {**os.environ, **ray_env, **path_env, **warm, "PYTHONWARNINGS": warnings,
                 "PATH": os.pathsep.join([*filter(None, [warm.get("PATH")]), bin_dir,
                                          os.environ.get("PATH", "")]),
                 "FLWR_HOME": str(self.home),
@@ -247,7 +268,7 @@ class LocalFederation:
                             StreamLogsRequest(run_id=int(run_id), after_timestamp=0.0)):
                         for line in response.log_output.splitlines(keepends=True):
                             lines.append(line)
-                            if echo and not any(noise in line for noise in FLOWER_NOISE):
+                            if echo and not is_noise(line):
                                 print(line, end="", flush=True)
                             if RESULTS_WRITTEN in line:
                                 self._prime(primed)
@@ -458,6 +479,21 @@ def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServe
         yield federation
 
 
+def save_run_log(run: FlowerRun) -> Path | None:
+    """The run's whole stream, the lines the echo left out included, written beside its
+    results (the folder its ServerApp's first line names); None when it never said."""
+    found = next((m for line in run.output.splitlines() if (m := RESULTS_FOLDER.search(line))),
+                 None)
+    if found is None:
+        return None
+    path = Path(found.group(1)) / RUN_LOG
+    try:
+        path.write_text(run.output)
+    except OSError:
+        return None
+    return path
+
+
 def main() -> None:
     """The demo's launcher: the overrides read and checked (one line and exit 2 on a
     mistake, before anything starts), the run, then its outcome in one line: exit 0 only
@@ -483,7 +519,9 @@ def main() -> None:
         run = federation.flwr_run(args.app, run_config, federation.federation_config(
             args.supernodes, args.cpus_per_client, args.gpus_per_client), echo=True)
     outcome = run.status or "not started"
-    print(f"run {run.run_id}: {outcome}" + (f": {run.reason}" if run.reason else ""),
+    saved = save_run_log(run)
+    print(f"run {run.run_id}: {outcome}" + (f": {run.reason}" if run.reason else "")
+          + (f" (full log: {saved})" if saved else ""),
           file=sys.stdout if run.ok else sys.stderr)
     sys.exit(0 if run.ok else 1)
 

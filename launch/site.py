@@ -47,6 +47,11 @@ def why_not_warm() -> str | None:
 def main(argv: Sequence[str] | None = None) -> None:
     """``pflower-supernode ARGS``: become ``flower-supernode ARGS``, warm where it can."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # Flower's commands from the environment this one is installed in, whether or not it is
+    # activated (a site may run .venv/bin/pflower-supernode): flower-supernode, and the
+    # flwr-clientapp it starts for each message
+    installed = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([installed, os.environ.get("PATH", "")])
     reason = why_not_warm()
     if reason is None:
         try:

@@ -40,8 +40,12 @@ fi
 if ! .venv/bin/python -c "import importlib.util as u, sys
 sys.exit(not all(u.find_spec(m) for m in ('flwr', 'torch', 'ray', 'server_app')))" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[test]"
+  # Quiet (-qq: errors only) because a machine's pip configuration can print a warning per
+  # package (an index location it ignores, say); everything pip said is in the log.
+  echo "setup: installing the app and its tools into .venv (about 6.6 GB, a few minutes" \
+       "the first time; pip's full log: .venv/install.log)" >&2
+  .venv/bin/python -m pip install -qq --log .venv/install.log --upgrade pip
+  .venv/bin/python -m pip install -qq --log .venv/install.log -e ".[test]"
   touch .venv/.installed
 fi
 export PATH="$PWD/.venv/bin:$PATH"

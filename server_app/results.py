@@ -19,6 +19,9 @@ from strategies.engine import Strategy
 MB = 1024**2
 
 
+CHECKPOINT = "checkpoint.npz"  # the server's state after each round (server_app/rounds.py)
+
+
 def output_dir(settings: RunSettings) -> Path:
     if settings.output_dir:
         return Path(settings.output_dir)
@@ -73,10 +76,14 @@ class ResultsRecorder:
 
     def _progress(self, entry: dict[str, Any]) -> None:
         acc = entry.get("eval", {})
-        log(INFO, "[progress] round %3d | acc weighted %s min %s | up %.3f MB down %.3f MB"
-            " | %.1f s",
-            entry["round"], _fmt(acc.get("accuracy_weighted")), _fmt(acc.get("accuracy_min")),
-            entry.get("bytes_up", 0) / MB, entry.get("bytes_down", 0) / MB, entry["seconds"])
+        # one line a round: its personalized accuracy (weighted by test examples, the
+        # clients' mean and lowest, the mean task accuracy), bytes and time
+        log(INFO, "[progress] round %3d | acc weighted %s mean %s min %s task %s (%s clients) "
+            "| up %.3f MB down %.3f MB | %.1f s",
+            entry["round"], _fmt(acc.get("accuracy_weighted")), _fmt(acc.get("accuracy_mean")),
+            _fmt(acc.get("accuracy_min")), _fmt(acc.get("accuracy_task_mean")),
+            acc.get("num_clients", 0), entry.get("bytes_up", 0) / MB,
+            entry.get("bytes_down", 0) / MB, entry["seconds"])
 
     def final(self) -> dict[str, Any]:
         evaluated = [r["eval"] for r in self.rounds if "eval" in r]
@@ -137,8 +144,12 @@ class ResultsRecorder:
         self.extra.update(extra or {})
         self.status = "completed"
         self.write()
+        written = [self.path.name]
         if self.settings.plot and self.rounds:
             plot_results(self.payload(), self.out_dir / "results.png")
+            written.append("results.png")
+        if (self.out_dir / CHECKPOINT).exists():
+            written.append(CHECKPOINT)
         self.tracking.close(self.payload())
         final = self.final()
         log(INFO, "[final] %s: accuracy weighted %s mean %s std %s min %s, task mean %s | "
@@ -153,7 +164,9 @@ class ResultsRecorder:
         log(INFO, "[final] %-12s %s", "client", "accuracy")
         for client_id, accuracy in per_client.items():
             log(INFO, "[final] %-12s %.4f", client_id, accuracy)
-        log(INFO, "[final] results written to %s", self.path)
+        # the run's last line: everything it wrote, where
+        log(INFO, "[final] wrote to %s: %s", self.out_dir,
+            ", ".join([*written, *self.tracking.outputs]))
 
 
 def _fmt(value: float | None) -> str:

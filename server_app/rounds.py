@@ -27,10 +27,9 @@ from flwr.serverapp import Grid
 
 from common.config import ConfigError
 from common.durable import load_tree, save_tree
-from server_app.results import ResultsRecorder
+from server_app.results import CHECKPOINT, ResultsRecorder
 from strategies.engine import Strategy
 
-CHECKPOINT = "checkpoint.npz"
 # Keys a resumed run may change: how long it runs, where it writes, how long it waits, and
 # the server's trust settings (an operator may tighten them). Any other difference (method,
 # model, dataset, partitioning, seed, training) is refused.

@@ -62,11 +62,15 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
 
 
 class Tracker(Protocol):
+    OUTPUTS: tuple[str, ...]  # what it writes under the output-dir (a folder ends in /)
+
     def log_round(self, entry: dict[str, Any]) -> None: ...
     def close(self, payload: dict[str, Any]) -> None: ...
 
 
 class TensorBoardTracker:
+    OUTPUTS = ("tensorboard/",)
+
     def __init__(self, out_dir: Path, run_config: dict[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -90,6 +94,7 @@ class TensorBoardTracker:
 
 class MlflowTracker:
     EXPERIMENT = "pflower"
+    OUTPUTS = ("mlflow.db", "mlartifacts/")
 
     def __init__(self, out_dir: Path, run_config: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -137,10 +142,12 @@ class Tracking:
     def __init__(self, names: list[str], out_dir: Path, run_config: dict[str, Any]) -> None:
         check_installed(names)
         self.trackers: dict[str, Tracker] = {}
+        self.outputs: list[str] = []  # what the trackers write under out_dir
         for name in names:
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 self.trackers[name] = TRACKER_CLASSES[name](out_dir, run_config)
+                self.outputs.extend(TRACKER_CLASSES[name].OUTPUTS)
             except Exception as error:
                 raise ConfigError(f"tracking: {name} could not start in {out_dir}: "
                                   f"{type(error).__name__}: {error}") from None

@@ -216,7 +216,8 @@ def test_the_readme_loopback_recipe_runs_as_written(tmp_path, forkserver):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, output[-3000:]
-    assert "[final] results written to outputs/loopback/results.json" in output
+    assert "[final] wrote to outputs/loopback: results.json, results.png, checkpoint.npz\n" \
+        in output
     assert '"status": "finished:completed"' in output
     results = read_results(app_dir / "outputs" / "loopback")
     assert results["status"] == "completed" and results["method"] == "fedper"

@@ -158,7 +158,7 @@ def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines)
                   if "[round 2/6] training, evaluating round 1" in line)
-    assert "round 1: personalized accuracy" in lines[header + 1]
+    assert "[progress] round   1 | acc weighted 0." in lines[header + 1]
     assert "changed from 10 to 2" not in done.stdout  # Flower's note does not hold here
     results = _results(out)
     assert (results["status"], results["reason"]) == ("failed", reason)
@@ -186,7 +186,8 @@ def test_one_client_failing_every_round_is_dropped_and_the_run_completes(tmp_pat
                    "local-epochs=1", "plot=false", "method=fedper", f"output-dir={out}",
                    "fused-evaluation=false", supernodes=3)  # its evaluations: on their own
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1].endswith("finished:completed")
+    assert done.stdout.strip().splitlines()[-1].endswith(
+        f"finished:completed (full log: {out / 'flower.log'})")
     results = _results(out)
     assert results["status"] == "completed" and "reason" not in results
     assert results["method"] == "fedper"  # a bare word is a string
@@ -195,3 +196,61 @@ def test_one_client_failing_every_round_is_dropped_and_the_run_completes(tmp_pat
         assert [(d["client"], d["stage"]) for d in entry["dropped"]] == [("0", "train")]
         assert "OSError: the disk of this site is full" in entry["dropped"][0]["reason"]
         assert entry["eval"]["num_clients"] == 3  # it still evaluates
+
+
+@pytest.mark.integration
+def test_a_clean_run_prints_only_its_own_lines_then_what_it_wrote(tmp_path):
+    """The demo as a user runs it: a start line, the rounds, the final summary and table, the
+    list of what the run wrote, the outcome; no warning a user cannot act on. What the echo
+    leaves out is in the run's full log."""
+    out = tmp_path / "out"
+    done, _, _ = demo("num-server-rounds=3", "local-epochs=1", "tracking=tensorboard",
+                      f"output-dir={out}", supernodes=4)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr == ""
+    lines = done.stdout.splitlines()
+    own = ("[start]", "[round ", "[progress]", "[final]", "identify:",
+           "Starting Flower Simulation", "Federation `@none/default` (4 simulated")
+    strays = [line for line in lines[:-1]
+              if not line.split(":", 1)[-1].strip().startswith(own)]
+    assert strays == [], strays
+    assert not [line for line in lines if "warn" in line.lower()]
+    assert len(lines) <= 3 + 2 * 4 + 2 + 4 + 2  # fits on a screen: 2 lines a round
+    assert lines[-2].endswith(f"[final] wrote to {out}: results.json, results.png, "
+                              "checkpoint.npz, tensorboard/")
+    for written in ("results.json", "results.png", "checkpoint.npz", "tensorboard"):
+        assert (out / written).exists()
+    log = out / "flower.log"
+    assert lines[-1].endswith(f": finished:completed (full log: {log})")
+    full = log.read_text()
+    assert "Successfully installed pflower to " in full  # left out of the echo, kept here
+    assert "[progress] round   3" in full
+
+
+@pytest.mark.integration
+def test_a_plain_flwr_run_shows_the_apps_one_line_before_flowers_traceback(federation,
+                                                                           tmp_path):
+    """What docs/configuration.md says a plain ``flwr run`` user sees (the real CLI, on a
+    private SuperLink): an undeclared key is Flower's refusal, exit 1; a value the app refuses
+    is the app's one line, first, then Flower's traceback, exit 0."""
+    from launch.federation import bundle_files
+
+    app = bundle_files(ROOT, tmp_path / "app")  # what `flwr run .` bundles, without .venv
+
+    def flwr_run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", "run", str(app), *args], env=federation.env,
+                              capture_output=True, text=True, timeout=300)
+
+    undeclared = flwr_run("--run-config", "metod='fedper'")
+    assert undeclared.returncode == 1
+    assert "[code: 15] Invalid run configuration." in undeclared.stdout + undeclared.stderr
+    refused = flwr_run("--stream", "--run-config", "method='fedfoo'",
+                       "--federation-config", "num-supernodes=2")
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == 0  # Flower's: the run was submitted and streamed
+    errors = [line for line in output.splitlines() if "ERROR" in line]
+    assert errors[0].endswith("Invalid run config: method: unknown value 'fedfoo'; allowed: "
+                              "fedavg, fedprox, local, fedper, fedrep, fedbn, fedavg-ft, "
+                              "feddecomp, pfedc, factorized-fl, fedfac"), errors
+    assert output.index("Invalid run config:") < output.index("Traceback")
+    assert "Exit Code: 700" in output

@@ -151,11 +151,6 @@ class PendingEvaluation:
         stats = personalized_stats(scores, task_accuracy)
         self.ledger.record(server_round).eval = stats
         self.per_client_accuracy.update(stats["per_client"])
-        log(INFO, "round %d: personalized accuracy weighted %.4f mean %.4f min %.4f, task "
-            "mean %s (%d clients)", server_round, stats["accuracy_weighted"],
-            stats["accuracy_mean"], stats["accuracy_min"],
-            f"{stats['accuracy_task_mean']:.4f}" if "accuracy_task_mean" in stats else "-",
-            stats["num_clients"])
 
     def record_rejoined(self, server_round: int, scores: dict[str, float]) -> None:
         """The first accuracy of clients that came back on a new node (``rejoined``)."""
