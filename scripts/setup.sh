@@ -40,12 +40,17 @@ fi
 if ! .venv/bin/python -c "import importlib.util as u, sys
 sys.exit(not all(u.find_spec(m) for m in ('flwr', 'torch', 'ray', 'server_app')))" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ]; then
-  # Quiet (-qq: errors only) because a machine's pip configuration can print a warning per
-  # package (an index location it ignores, say); everything pip said is in the log.
+  # pip's output goes to a log, not the terminal: a machine's pip configuration can make it
+  # print a warning per package (an index location it ignores, say). On a failure the
+  # log's end is shown.
   echo "setup: installing the app and its tools into .venv (about 6.6 GB, a few minutes" \
-       "the first time; pip's full log: .venv/install.log)" >&2
-  .venv/bin/python -m pip install -qq --log .venv/install.log --upgrade pip
-  .venv/bin/python -m pip install -qq --log .venv/install.log -e ".[test]"
+       "the first time; pip's output: .venv/install.log)" >&2
+  if ! { .venv/bin/python -m pip install --upgrade pip \
+         && .venv/bin/python -m pip install -e ".[test]"; } > .venv/install.log 2>&1; then
+    tail -n 20 .venv/install.log >&2
+    echo "setup: pip install failed; the whole output is in .venv/install.log" >&2
+    return 1 2>/dev/null || exit 1
+  fi
   touch .venv/.installed
 fi
 export PATH="$PWD/.venv/bin:$PATH"
