@@ -47,7 +47,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 
 from bench.report import write_report  # noqa: E402
 from client_app.runtime import Client  # noqa: E402
-from common.config import app_defaults  # noqa: E402
+from launch.app_project import app_defaults  # noqa: E402
 from launch.federation import LocalFederation, warm_federation  # noqa: E402
 from launch.forkserver import ForkServer  # noqa: E402
 from strategies.registry import build_model  # noqa: E402

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 
 from bench.report import write_report  # noqa: E402
-from common.config import app_defaults  # noqa: E402
+from launch.app_project import app_defaults  # noqa: E402
 from strategies.registry import REGISTRY, build_model, load_settings  # noqa: E402
 
 SCENARIOS = {"digits / cnn": {"dataset": "digits", "model": "cnn"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from common.config import app_packages
+from launch.app_project import app_packages
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, write_report  # noqa: E402
-from common.config import app_defaults  # noqa: E402
+from launch.app_project import app_defaults  # noqa: E402
 from launch.compare import parse_row  # noqa: E402
 from launch.federation import warm_federation  # noqa: E402
 from launch.run_config import parse_overrides as launch_overrides  # noqa: E402

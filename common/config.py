@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "domain", "natural")
@@ -35,27 +33,6 @@ class ConfigError(ValueError):
 
     The message is one line naming the key and what is allowed.
     """
-
-
-APP_ROOT = Path(__file__).resolve().parents[1]
-
-
-def app_defaults(root: Path = APP_ROOT) -> dict[str, Any]:
-    """``[tool.flwr.app.config]`` of the app's ``pyproject.toml``: the run config Flower
-    builds when nothing is overridden (for tools and tests that run the code outside
-    Flower)."""
-    return dict(_pyproject(root)["tool"]["flwr"]["app"]["config"])
-
-
-def app_packages(root: Path = APP_ROOT) -> list[str]:
-    """The app's Python packages (the folders of ``[tool.flwr.app] fab-include``): the code
-    that travels in its bundle and that results depend on."""
-    patterns = _pyproject(root)["tool"]["flwr"]["app"]["fab-include"]
-    return list(dict.fromkeys(pattern.split("/", 1)[0] for pattern in patterns))
-
-
-def _pyproject(root: Path) -> dict[str, Any]:
-    return tomllib.loads((root / "pyproject.toml").read_text())
 
 
 def one_of(key: str, value: str, allowed: Iterable[str]) -> str:

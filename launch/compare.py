@@ -37,7 +37,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, app_defaults
+from common.config import ConfigError
+from launch.app_project import app_defaults
 from launch.comparison import (
     LAST_ROUNDS,
     RISING,

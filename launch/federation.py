@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, app_defaults
+from common.config import ConfigError
+from launch.app_project import app_defaults
 from launch.forkserver import ForkServer
 from launch.processes import free_port, stop_process_groups
 from launch.ray_head import RayHead

@@ -16,8 +16,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunSettings, app_defaults
+from common.config import ConfigError, RunSettings
 from fldata import check_local_files
+from launch.app_project import app_defaults
 from server_app.rounds import CHECKPOINT
 from server_app.tracking import check_installed
 from strategies.registry import load_settings

@@ -1,5 +1,5 @@
-"""The ServerApp: validate the run config, build the method's strategy, run the rounds,
-write results.json after each one."""
+"""The ServerApp: validate the run config, build the round engine with the method's rule,
+run the rounds, write results.json after each one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from common.protocol import error_reason
 from server_app.results import ResultsRecorder, output_dir
 from server_app.rounds import check_resumable, load_checkpoint, resume, run_rounds
 from server_app.tracking import Tracking
-from strategies.engine import RunFailedError
+from strategies.engine import RoundEngine, RunFailedError
 from strategies.registry import REGISTRY, initial_state, load_settings
 from strategies.wire import WireSpec
 
@@ -49,8 +49,8 @@ def main(grid: Grid, context: Context) -> None:
         # An Exception (not SystemExit) is what marks the run as failed in Flower.
         raise ConfigError(str(error)) from None
     random.seed(settings.seed)  # node sampling
-    strategy = REGISTRY[settings.method].strategy(settings, initial, wire)
-    recorder = ResultsRecorder(settings, strategy, out_dir, tracking)
+    engine = RoundEngine(settings, wire, REGISTRY[settings.method].rule)
+    recorder = ResultsRecorder(settings, engine, out_dir, tracking)
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,
         settings.dataset, settings.partitioner, recorder.out_dir)
     if (warning := nothing_personal(settings, wire)) is not None:
@@ -58,20 +58,19 @@ def main(grid: Grid, context: Context) -> None:
     first_round, arrays = 1, initial
     run_ids = [str(context.run_id)]  # this run and the runs it continues
     if checkpoint is not None:
-        first_round, arrays = resume(checkpoint, strategy, recorder)
+        first_round, arrays = resume(checkpoint, engine, recorder)
         earlier = [str(r) for r in checkpoint.get("run_ids", [])]
         run_ids = [*earlier, *run_ids]
         # Clients may continue from personal state saved by these runs, up to this round.
-        strategy.messenger.message_config = {"resume-round": checkpoint["round"]}
-        if earlier:
-            strategy.messenger.message_config["resume-runs"] = earlier
+        engine.set_message_config({"resume-round": checkpoint["round"],
+                                   **({"resume-runs": earlier} if earlier else {})})
     try:
-        strategy.identify(grid, first_round)
-        arrays = run_rounds(grid, strategy, recorder, arrays, first_round,
+        engine.identify(grid, first_round)
+        arrays = run_rounds(grid, engine, recorder, arrays, first_round,
                             settings.num_server_rounds, run_ids)
         if (missing := recorder.missing_evaluation()) is not None:
             raise RunFailedError(missing, settings.num_server_rounds)
-        recorder.finish(strategy.after_training(grid, arrays))
+        recorder.finish(engine.after_training(grid, arrays))
     except RunFailedError as failure:
         # results.json says so, and the exception marks the run failed in Flower (its
         # status details carry the reason: the launchers print them)

@@ -12,9 +12,8 @@ from flwr.common.logger import log
 
 from common.config import RunSettings
 from common.durable import write_json
-from common.record import RoundRecord
 from server_app.tracking import Tracking
-from strategies.engine import Strategy
+from strategies.engine import RoundEngine
 
 MB = 1024**2
 
@@ -31,16 +30,16 @@ def output_dir(settings: RunSettings) -> Path:
 
 class ResultsRecorder:
     """Writes results.json after every round: each round's ``RoundRecord`` entry
-    (``common/record.py``), the run's totals and the strategy's per-client tables, and the
+    (``common/record.py``), the run's totals and the engine's per-client tables, and the
     run's ``status``: ``running``, then ``completed`` (``finish``: every round ran and the
     last evaluation produced accuracies) or ``failed`` with its one-line ``reason``. Each
     round it writes goes to ``tracking`` too (the rounds a resumed run restores do not:
     its predecessor logged them)."""
 
-    def __init__(self, settings: RunSettings, strategy: Strategy,
+    def __init__(self, settings: RunSettings, engine: RoundEngine,
                  out_dir: Path, tracking: Tracking) -> None:
         self.settings = settings
-        self.strategy = strategy
+        self.engine = engine
         self.out_dir = out_dir
         self.tracking = tracking
         self.rounds: list[dict[str, Any]] = []
@@ -66,7 +65,7 @@ class ResultsRecorder:
     def on_round(self, server_round: int) -> None:
         """A round is done: add its entry, rewrite results.json, print the progress line."""
         now = time.monotonic()
-        record = self.strategy.ledger.history.get(server_round, RoundRecord())
+        record = self.engine.round_record(server_round)
         entry = record.entry(server_round, now - self._t_round)
         self._t_round = now
         self.rounds.append(entry)
@@ -105,9 +104,7 @@ class ResultsRecorder:
                 # a tuning run is scored on validation splits (validation-fraction > 0)
                 "evaluated_on": "validation" if self.settings.validation_fraction else "test",
                 "rounds": self.rounds, "final": self.final(), **self.extra,
-                "server_state": {"node_to_client": {str(k): v for k, v in
-                                                    self.strategy.nodes.node_to_client.items()},
-                                 **self.strategy.state_tables()}}
+                "server_state": self.engine.server_state()}
 
     def write(self) -> None:
         write_json(self.path, self.payload())
@@ -130,7 +127,7 @@ class ResultsRecorder:
         round that failed, with its dropped replies), with ``status`` failed and the
         one-line ``reason``."""
         for server_round in range(self.last_round + 1, through_round + 1):
-            record = self.strategy.ledger.history.get(server_round, RoundRecord())
+            record = self.engine.round_record(server_round)
             self.rounds.append(record.entry(server_round, time.monotonic() - self._t_round))
             self.tracking.log_round(self.rounds[-1])
         self.status, self.reason = "failed", reason
@@ -139,7 +136,7 @@ class ResultsRecorder:
         log(ERROR, "[failed] %s", reason)
 
     def finish(self, extra: dict[str, Any] | None = None) -> None:
-        """Final write (with ``extra``: the strategy's after-training results, and the
+        """Final write (with ``extra``: the method's after-training results, and the
         status: completed), plot, and the per-client table in the terminal."""
         self.extra.update(extra or {})
         self.status = "completed"

@@ -2,13 +2,14 @@
 
 Flower's ``Strategy.start`` always begins at round 1; resuming needs the true round numbers
 (clients seed their training with them), so the ServerApp runs the loop itself: the
-strategy's ``train_round`` then ``evaluate_round``, then results.json and the checkpoint.
+engine's ``train_round`` then ``evaluate_round``, then results.json and the checkpoint.
 
 The checkpoint (``<output-dir>/checkpoint.npz``, written with ``common.durable.save_tree``:
 arrays and JSON only, ``fsync``ed, atomic) holds the round number, the method and the run
 config it was made with, the ids of the runs it continues (its lineage: a resumed run's
 clients accept personal state saved by those runs, up to the checkpoint's round), the shared
-arrays, the strategy's per-client tables (``Strategy.checkpoint_state``), the rounds of
+arrays, the engine's snapshot (``RoundEngine.snapshot``: the method's per-client tables, the
+evaluation drawn and not yet asked), the rounds of
 results.json and the sampler's random state. Loading it runs no code. A resume whose run
 config differs from the checkpoint's in a key outside ``RESUMABLE_KEYS`` is refused with one
 line naming the keys.
@@ -28,7 +29,7 @@ from flwr.serverapp import Grid
 from common.config import ConfigError
 from common.durable import load_tree, save_tree
 from server_app.results import CHECKPOINT, ResultsRecorder
-from strategies.engine import Strategy
+from strategies.engine import RoundEngine
 
 # Keys a resumed run may change: how long it runs, where it writes, how long it waits, and
 # the server's trust settings (an operator may tighten them). Any other difference (method,
@@ -43,14 +44,13 @@ RESUMABLE_KEYS = frozenset({
 
 
 def save_checkpoint(path: Path, server_round: int, arrays: ArrayRecord,
-                    strategy: Strategy, recorder: ResultsRecorder,
+                    engine: RoundEngine, recorder: ResultsRecorder,
                     run_ids: list[str]) -> None:
     save_tree(path, {
-        "round": server_round, "method": strategy.settings.method,
-        "config": dict(strategy.settings.raw), "run_ids": run_ids,
+        "round": server_round, "method": engine.settings.method,
+        "config": dict(engine.settings.raw), "run_ids": run_ids,
         "arrays": {k: v.numpy() for k, v in arrays.items()},
-        "strategy": strategy.checkpoint_state(), "rounds": recorder.rounds,
-        "pending_evaluation": strategy.evaluation.state(server_round),
+        **engine.snapshot(server_round), "rounds": recorder.rounds,
         "random": random.getstate()})
 
 
@@ -77,11 +77,10 @@ def check_resumable(checkpoint: dict[str, Any], run_config: dict[str, Any]) -> N
                           f"config: {changes}")
 
 
-def resume(checkpoint: dict[str, Any], strategy: Strategy,
+def resume(checkpoint: dict[str, Any], engine: RoundEngine,
            recorder: ResultsRecorder) -> tuple[int, ArrayRecord]:
     """Restore a checkpoint; returns (first round to run, shared arrays)."""
-    strategy.restore_state(checkpoint["strategy"])
-    strategy.evaluation.restore(checkpoint.get("pending_evaluation"))
+    engine.restore(checkpoint)
     recorder.rounds = list(checkpoint["rounds"])
     version, state, gauss = checkpoint["random"]
     random.setstate((version, tuple(state), gauss))
@@ -90,10 +89,10 @@ def resume(checkpoint: dict[str, Any], strategy: Strategy,
     return checkpoint["round"] + 1, arrays
 
 
-def run_rounds(grid: Grid, strategy: Strategy, recorder: ResultsRecorder,
+def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
                arrays: ArrayRecord, first_round: int, last_round: int,
                run_ids: list[str]) -> ArrayRecord:
-    fused = strategy.settings.fused_evaluation
+    fused = engine.settings.fused_evaluation
     recorder.start()  # starts the round clock, writes results.json
     for server_round in range(first_round, last_round + 1):
         # with fused evaluation, round r's exchange also evaluates round r - 1: say so, so
@@ -101,20 +100,20 @@ def run_rounds(grid: Grid, strategy: Strategy, recorder: ResultsRecorder,
         evaluating = (f", evaluating round {server_round - 1}"
                       if fused and server_round - 1 > recorder.last_round else "")
         log(INFO, "[round %d/%d] training%s", server_round, last_round, evaluating)
-        updated = strategy.train_round(grid, server_round, arrays)
+        updated = engine.train_round(grid, server_round, arrays)
         if updated is not None:
             arrays = updated
         if not fused:
-            strategy.evaluate_round(grid, server_round, arrays)
+            engine.evaluate_round(grid, server_round, arrays)
             recorder.on_round(server_round)
         elif server_round - 1 > recorder.last_round:  # its evaluation came with this exchange
             recorder.on_round(server_round - 1)
-        save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, strategy,
+        save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, engine,
                         recorder, run_ids)
     if fused:  # the last round's evaluation: its own exchange
         log(INFO, "[round %d/%d] evaluating", last_round, last_round)
-        strategy.evaluate_round(grid, last_round, arrays)
+        engine.evaluate_round(grid, last_round, arrays)
         recorder.on_round(last_round)
-        save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, strategy,
+        save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, engine,
                         recorder, run_ids)
     return arrays

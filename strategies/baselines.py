@@ -2,7 +2,7 @@
 FedAvg-FT.
 
 They differ only in which state-dict keys travel (their wire spec) and in their local training
-rule; the server side of all of them is the plain ``Strategy`` (example-weighted
+rule; the server side of all of them is the default ``MethodRule`` (example-weighted
 mean of what is sent). Each is a few lines, so they live together in this one file.
 
 FedAvg-FT is FedAvg whose clients, before each personalized evaluation, fine-tune a copy of the

@@ -1,11 +1,11 @@
 """What a method is made of (contracts §7): the ``Method`` record.
 
-A method's home is ``strategies/<method>/`` (or ``strategies/baselines.py`` for the six
+A method's home is ``strategies/<method>/`` (or ``strategies/baselines.py`` for the seven
 baselines) plus its model transform in ``models/<method>.py``:
 
 - ``spec.py``: its settings (a ``KeyGroup`` of its run-config keys) and its wire spec (a
   ``WireSpec``: what goes down and up, used by both sides);
-- ``server.py``: its server rule (a ``Strategy`` overriding hooks of ``engine/hooks.py``);
+- ``server.py``: its server rule (a ``MethodRule`` overriding hooks of ``engine/rule.py``);
 - ``client.py``: its local training rule (``LocalTraining -> float``) and the answers to its
   own server queries (``actions``);
 - ``__init__.py``: the ``Method`` record below, which ``strategies/registry.py`` lists.
@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from common.config import MethodSettingsT, RunSettings
 from fldata import ClientData, dataset_shape, default_model
 from models import build_backbone
-from strategies.engine import Strategy
+from strategies.engine import MethodRule
 from strategies.training import LocalTraining, train_everything
 from strategies.wire import WireSpec
 
@@ -63,7 +63,7 @@ class Method(Generic[MethodSettingsT]):
     """A method's pieces.
 
     ``settings``: its run-config keys (parsed into ``RunSettings.method_settings``);
-    ``wire``: its wire spec class; ``strategy``: its server rule; ``local_train``: its client
+    ``wire``: its wire spec class; ``rule``: its server rule; ``local_train``: its client
     rule; ``transform``: its model transform (applied to the seeded backbone); ``check``: rules
     across keys (e.g. a phase that must fit in ``local-epochs``), given the model built on the
     ``meta`` device (no memory, no data); ``actions``: answers to the
@@ -74,7 +74,7 @@ class Method(Generic[MethodSettingsT]):
 
     name: str
     wire: type[WireSpec[MethodSettingsT]] = WireSpec
-    strategy: type[Strategy[MethodSettingsT]] = Strategy
+    rule: type[MethodRule[MethodSettingsT]] = MethodRule
     local_train: Callable[[LocalTraining[MethodSettingsT]], float] = train_everything
     settings: type[MethodSettingsT] | None = None
     transform: Callable[[nn.Module, RunSettings[MethodSettingsT]], nn.Module] = keep_model

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.config import app_defaults, app_packages
+from launch.app_project import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation, warm_federation
 from launch.forkserver import ForkServer
 from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest hook)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import KeyGroup, RunSettings, app_defaults
+from common.config import KeyGroup, RunSettings
 from fldata import SyntheticSettings
+from launch.app_project import app_defaults
 from strategies.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,28 +177,43 @@ def test_every_key_is_declared_once_and_defaulted_only_in_pyproject():
         group.parse(defaults)
 
 
-def test_the_engine_implements_every_hook_the_protocol_documents():
-    """``engine/hooks.py`` is where a method's author reads the hooks: each one has its
-    default on ``Strategy`` (a renamed or dropped hook fails here, not in a method)."""
-    from strategies.engine import Strategy
-    from strategies.engine.hooks import MethodHooks
-
-    documented = {name for name in vars(MethodHooks) if not name.startswith("_")}
-    documented |= set(MethodHooks.__annotations__)
-    assert documented and all(hasattr(Strategy, name) for name in documented), sorted(
-        name for name in documented if not hasattr(Strategy, name))
+def test_outside_the_engine_only_its_public_api_is_imported(graph):
+    """``strategies.engine``'s ``__init__`` is the engine's public face: no module outside the
+    package imports one of its collaborators' modules (ledger, node directory, messenger...)."""
+    reaching_in = [f"{module} -> {target}" for module, imports in graph.items()
+                   if not module.startswith("strategies.engine")
+                   for target, _ in imports if target.startswith("strategies.engine.")]
+    assert not reaching_in, reaching_in
 
 
-def test_methods_override_hooks_only_never_an_engine_stage():
-    """A method changes the round through ``MethodHooks`` alone: whatever of ``Strategy`` its
-    server rule redefines is a hook (its constructor aside)."""
-    from strategies.engine import Strategy
-    from strategies.engine.hooks import MethodHooks
+ENGINE_COLLABORATORS = {"ledger", "nodes", "example_counts", "replies", "messenger",
+                        "evaluation", "admission", "rule"}
 
-    hooks = {name for name in vars(MethodHooks) if not name.startswith("_")}
-    hooks |= set(MethodHooks.__annotations__)
+
+def test_the_server_app_uses_the_engines_public_face_only():
+    """``server_app/`` reads the round record, the server state, the snapshot and the message
+    config through ``RoundEngine``'s methods, never a collaborator's fields."""
+    reaching_in = []
+    for path in (ROOT / "server_app").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr in ENGINE_COLLABORATORS):
+                continue
+            owner = node.value  # ``engine.x`` or ``self.engine.x``
+            if (isinstance(owner, ast.Name) and owner.id == "engine") or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "engine"):
+                reaching_in.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert not reaching_in, reaching_in
+
+
+def test_every_method_rule_is_a_method_rule_and_its_hooks_are_documented():
+    """A method's server rule is a ``MethodRule`` (the engine holds it; it does not extend
+    the engine), and every hook the engine calls is named in ``engine/rule.py``'s contract."""
+    from strategies.engine import MethodRule, RoundEngine
+    from strategies.engine import rule as rule_module
+
+    hooks = {name for name in vars(MethodRule)
+             if not name.startswith("_") and callable(getattr(MethodRule, name))}
+    assert hooks and all(f"``{name}" in rule_module.__doc__ for name in hooks), sorted(
+        name for name in hooks if f"``{name}" not in rule_module.__doc__)
     for method in REGISTRY.values():
-        redefined = {name for cls in method.strategy.__mro__ if cls is not Strategy
-                     and issubclass(cls, Strategy) for name in vars(cls)
-                     if not name.startswith("__") and hasattr(Strategy, name)}
-        assert redefined <= hooks, (method.strategy.__name__, sorted(redefined - hooks))
+        assert issubclass(method.rule, MethodRule) and not issubclass(method.rule, RoundEngine)

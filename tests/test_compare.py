@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import app_defaults
+from launch.app_project import app_defaults
 from launch.compare import main, parse_row
 from launch.comparison import last_rounds_mean, paired_difference, slope
 from launch.processes import free_port, stop_process_groups

@@ -21,7 +21,8 @@ from models.factorized_fl import (
     l1_of_mu,
     matching_key,
 )
-from strategies.factorized_fl.server import FactorizedFLStrategy, matching_weights
+from strategies.engine import RoundEngine
+from strategies.factorized_fl.server import FactorizedFLRule, matching_weights
 from strategies.factorized_fl.spec import FactorsShared
 from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining
@@ -177,15 +178,15 @@ def test_each_downlink_is_its_similarity_weighted_sum_of_the_latest_uploads():
     settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": tau,
                                            "factorized-fl.epsilon": eps}))
     arrays = initial_state(settings).arrays
-    strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
-    match = strategy.match_key
+    strategy = RoundEngine(settings, wire_spec(settings), FactorizedFLRule)
+    match = strategy.wire.match_key
     rng = np.random.default_rng(0)
     latest, excluded = {}, 0
     for server_round, present in ((1, "0123"), (2, "02")):
         replies = [_upload(settings, c, rng, 10 + int(c)) for c in present]
         latest.update({r.client_id: {k: v.numpy() for k, v in r.arrays.items()}
                        for r in replies})
-        strategy.aggregate_train(server_round, replies, arrays)
+        strategy.rule.merge_updates(server_round, replies, arrays)
         ids = sorted(latest)
         vectors = np.stack([latest[c][match].ravel() for c in ids])
         unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -196,7 +197,7 @@ def test_each_downlink_is_its_similarity_weighted_sum_of_the_latest_uploads():
                                                       similarity[row]), -np.inf)
             weights = np.exp(logits) / np.exp(logits).sum()
             excluded += int((~allowed).sum())
-            down = strategy.downlink(server_round + 1, client, arrays)
+            down = strategy.rule.downlink(server_round + 1, client, arrays)
             assert set(down) == set(arrays)  # the shared keys; the matching vector stays up
             for key in arrays:
                 expected = sum(w * latest[other][key] for w, other in zip(weights, ids,
@@ -212,20 +213,20 @@ def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
     summary instead of two 150 x 150 matrices."""
     settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": 0.0}))
     arrays = initial_state(settings).arrays
-    strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
+    strategy = RoundEngine(settings, wire_spec(settings), FactorizedFLRule)
     rng = np.random.default_rng(1)
     replies = [_upload(settings, str(c), rng, 5) for c in range(150)]
-    strategy.aggregate_train(1, replies, arrays)
+    strategy.rule.merge_updates(1, replies, arrays)
     summary = strategy.ledger.record(1).extra["similarity"]
     assert summary["num_clients"] == 150 and "matrix" not in summary
     assert 1 <= summary["neighbours_mean"] <= 150
-    assert strategy._personal == {}
+    assert strategy.rule._personal == {}
     clients, _, weights = matching_weights(
-        {r.client_id: r.arrays[strategy.match_key].numpy() for r in replies},
-        strategy.tau, strategy.epsilon)
+        {r.client_id: r.arrays[strategy.wire.match_key].numpy() for r in replies},
+        settings.method_settings.tau, settings.method_settings.epsilon)
     asked = ["3", "77", "149"]
-    downs = {c: strategy.downlink(2, c, arrays) for c in asked}
-    assert sorted(strategy._personal) == sorted(asked)
+    downs = {c: strategy.rule.downlink(2, c, arrays) for c in asked}
+    assert sorted(strategy.rule._personal) == sorted(asked)
     for client, down in downs.items():
         row = weights[clients.index(client)]
         for key in arrays:
@@ -233,15 +234,15 @@ def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
                            for w, r in zip(row, sorted(replies, key=lambda r: int(r.client_id)),
                                            strict=True))
             np.testing.assert_allclose(down[key].numpy(), expected, rtol=1e-5, atol=1e-6)
-    resumed = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
-    resumed.restore_state(strategy.checkpoint_state())
+    resumed = RoundEngine(settings, wire_spec(settings), FactorizedFLRule)
+    resumed.restore(strategy.snapshot(2))
     for client, down in downs.items():
-        again = resumed.downlink(2, client, arrays)
+        again = resumed.rule.downlink(2, client, arrays)
         for key in arrays:
             np.testing.assert_array_equal(again[key].numpy(), down[key].numpy())
-    strategy.aggregate_train(2, [_upload(settings, "3", rng, 5)], arrays)
-    assert strategy._personal == {}  # a new snapshot: downlinks are built from it
-    assert not np.array_equal(strategy.downlink(3, "3", arrays)[next(iter(arrays))].numpy(),
+    strategy.rule.merge_updates(2, [_upload(settings, "3", rng, 5)], arrays)
+    assert strategy.rule._personal == {}  # a new snapshot: downlinks are built from it
+    assert not np.array_equal(strategy.rule.downlink(3, "3", arrays)[next(iter(arrays))].numpy(),
                               downs["3"][next(iter(arrays))].numpy())
 
 
@@ -273,18 +274,18 @@ def test_an_expired_client_leaves_the_matching_of_the_others():
     settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": 0.0,
                                            "identity.expire-rounds": 1}))
     arrays = initial_state(settings).arrays
-    strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
+    strategy = RoundEngine(settings, wire_spec(settings), FactorizedFLRule)
     rng = np.random.default_rng(2)
     replies = [_upload(settings, str(c), rng, 5) for c in range(3)]
-    strategy.aggregate_train(1, replies, arrays)
-    before = strategy.downlink(2, "1", arrays)
+    strategy.rule.merge_updates(1, replies, arrays)
+    before = strategy.rule.downlink(2, "1", arrays)
     strategy.nodes.last_seen.update({"0": 1, "1": 3, "2": 3})
     strategy.forget_expired(3)
-    assert sorted(strategy.latest) == ["1", "2"]
+    assert sorted(strategy.rule.latest) == ["1", "2"]
     clients, _, weights = matching_weights(
-        {r.client_id: r.arrays[strategy.match_key].numpy() for r in replies[1:]},
-        strategy.tau, strategy.epsilon)
-    after = strategy.downlink(3, "1", arrays)
+        {r.client_id: r.arrays[strategy.wire.match_key].numpy() for r in replies[1:]},
+        settings.method_settings.tau, settings.method_settings.epsilon)
+    after = strategy.rule.downlink(3, "1", arrays)
     row = weights[clients.index("1")]
     for key in arrays:
         expected = sum(w * r.arrays[key].numpy().astype(np.float64)
@@ -386,9 +387,9 @@ def test_the_server_uses_min_aggregated():
     settings = load_settings(app_config(**{"method": "factorized-fl", "factorized-fl.tau": 1.0,
                                            "factorized-fl.min-aggregated": 2}))
     arrays = initial_state(settings).arrays
-    strategy = FactorizedFLStrategy(settings, arrays, wire_spec(settings))
+    strategy = RoundEngine(settings, wire_spec(settings), FactorizedFLRule)
     rng = np.random.default_rng(5)
-    strategy.aggregate_train(1, [_upload(settings, str(c), rng, 5) for c in range(4)], arrays)
+    strategy.rule.merge_updates(1, [_upload(settings, str(c), rng, 5) for c in range(4)], arrays)
     weights = np.array(strategy.ledger.record(1).extra["similarity"]["weights"])
     assert ((weights > 0).sum(axis=1) == 2).all()
 

@@ -13,7 +13,8 @@ from client_app.runtime import Client
 from common.config import ConfigError
 from common.protocol import ClientReply
 from models.feddecomp import DecomposedConv2d, DecomposedLinear, is_personal_key
-from strategies.feddecomp.server import FedDecompStrategy
+from strategies.engine import RoundEngine
+from strategies.feddecomp.server import FedDecompRule
 from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining
 from tests.conftest import REFERENCE_CLIENTS, app_config, moves_per_epoch
@@ -183,12 +184,11 @@ def test_server_mean_is_uniform_over_clients_by_default(weighting, expected):
     overrides = {} if weighting == "uniform" else {"feddecomp.weighting": weighting}
     settings = load_settings(app_config(method="feddecomp", **overrides))
     assert settings.method_settings.weighting == weighting
-    strategy = FedDecompStrategy(settings, initial_state(settings).arrays,
-                                 wire_spec(settings))
+    rule = RoundEngine(settings, wire_spec(settings), FedDecompRule).rule
     replies = [_reply("0", 1.0, 1), _reply("1", 5.0, 3)]
     start = ArrayRecord({"body.0.weight": Array(np.zeros((2, 3), np.float32)),
                          "body.1.running_mean": Array(np.zeros(2, np.float32))})
-    merged = strategy.aggregate_train(1, replies, start)
+    merged = rule.merge_updates(1, replies, start)
     for key in ("body.0.weight", "body.1.running_mean"):
         np.testing.assert_allclose(merged[key].numpy(), expected)
         assert merged[key].numpy().dtype == np.float32

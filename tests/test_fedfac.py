@@ -16,10 +16,10 @@ from common.config import ConfigError
 from common.protocol import ARRAYS, METRICS, TASK_ACCURACY, ClientReply
 from models import build_backbone
 from models.fedfac import analysed_layers, element_keys, forward_layers, weighted_layers
-from strategies.engine import Strategy
+from strategies.engine import MethodRule, RoundEngine
 from strategies.fedfac import client as fedfac_client
 from strategies.fedfac.server import (
-    FedFacStrategy,
+    FedFacRule,
     factor_count,
     principal_axis_loadings,
     shared_elements,
@@ -114,13 +114,23 @@ def test_quantile_above_one_is_personal_below_zero_is_shared():
     assert shared_elements(_sampled_weights(), 0.85, -0.5)[0].all()
 
 
-def _mlp_strategy(**overrides) -> FedFacStrategy:
+def _rule(settings, wire=None, rule=FedFacRule) -> MethodRule:
+    """A method's server rule as a run's engine holds it."""
+    return RoundEngine(settings, wire or wire_spec(settings), rule).rule
+
+
+def _start(rule: MethodRule) -> ArrayRecord:
+    """The shared arrays round 1 starts from."""
+    return initial_state(rule.settings).arrays
+
+
+def _mlp_strategy(**overrides) -> FedFacRule:
     """FedFac on a 60-input, 16-unit MLP layer (``body.1``)."""
     settings = load_settings(app_config(**{
         "method": "fedfac", "dataset": "synthetic-fedfac", "model": "mlp", "mlp-hidden": 16,
         "synthetic.dim": 60, "synthetic.hidden": 16, "fedfac.kappa": 0.25,
         "fedfac.tau-quantile": 10 / 16, **overrides}))
-    return FedFacStrategy(settings, initial_state(settings).arrays, wire_spec(settings))
+    return _rule(settings)
 
 
 def _replies_around(arrays: ArrayRecord, layer_weights: list[np.ndarray]) -> list[ClientReply]:
@@ -134,13 +144,13 @@ def _replies_around(arrays: ArrayRecord, layer_weights: list[np.ndarray]) -> lis
     return replies
 
 
-def _split_after_correlated_updates(strategy: FedFacStrategy, arrays: ArrayRecord,
+def _split_after_correlated_updates(strategy: FedFacRule, arrays: ArrayRecord,
                                     server_round: int = 1) -> np.ndarray:
     """``body.1``'s split after a round whose 8 clients moved from ``arrays`` by small updates
     whose first 6 elements follow common factors."""
     start = arrays["body.1.weight"].numpy()
     updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
-    strategy.aggregate_train(server_round, _replies_around(arrays, [start + d for d in updates]),
+    strategy.merge_updates(server_round, _replies_around(arrays, [start + d for d in updates]),
                               arrays)
     return strategy.split["body.1"]
 
@@ -152,7 +162,7 @@ def test_split_from_updates_finds_the_shared_elements_weights_find_the_initialis
     elements follow common factors. On updates (default) the split finds those 6; on weights
     it is the split of ``W0`` alone, whatever the updates are."""
     strategy = _mlp_strategy(**({} if analysis == "updates" else {"fedfac.analysis": analysis}))
-    arrays = strategy.global_arrays
+    arrays = _start(strategy)
     split = _split_after_correlated_updates(strategy, arrays)
     of_start = shared_elements([arrays["body.1.weight"].numpy()] * 8, 0.25, 10 / 16)[0]
     if analysis == "updates":
@@ -168,7 +178,7 @@ def test_random_reference_split_has_the_estimates_size_and_is_seeded():
     same seed and round."""
     def split_of(**overrides) -> np.ndarray:
         strategy = _mlp_strategy(**overrides)
-        return _split_after_correlated_updates(strategy, strategy.global_arrays)
+        return _split_after_correlated_updates(strategy, _start(strategy))
 
     estimated = split_of()
     random_splits = [split_of(**{"fedfac.split": "random", "seed": seed}) for seed in (0, 0, 1)]
@@ -180,42 +190,42 @@ def test_random_reference_split_has_the_estimates_size_and_is_seeded():
 
 def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates():
     strategy = _mlp_strategy(**{"fedfac.warmup-rounds": 2})
-    arrays = strategy.global_arrays
+    arrays = _start(strategy)
     rng = np.random.default_rng(3)
     for server_round in (1, 2):
-        strategy.begin_round(server_round)
+        strategy.start_round(server_round)
         replies = _replies_around(arrays, [arrays["body.1.weight"].numpy() + rng.normal(
             size=(16, 60)) for _ in range(4)])
-        assert strategy.uplink_masks() is None
-        new = strategy.aggregate_train(server_round, replies, arrays)
+        assert strategy.uplink_rows() is None
+        new = strategy.merge_updates(server_round, replies, arrays)
         assert strategy.split is None and strategy.downlink(server_round, "0", new) is new
         total = sum(r.num_examples for r in replies)
         np.testing.assert_allclose(new["body.1.weight"].numpy(), sum(
             r.arrays["body.1.weight"].numpy() * r.num_examples / total for r in replies),
             rtol=1e-5, atol=1e-6)
         arrays = new
-    strategy.begin_round(3)
+    strategy.start_round(3)
     split = _split_after_correlated_updates(strategy, arrays, server_round=3)
     assert set(np.flatnonzero(split)) == set(range(6))
 
 
-def _round(strategy: FedFacStrategy, arrays: ArrayRecord, server_round: int,
+def _round(strategy: FedFacRule, arrays: ArrayRecord, server_round: int,
            shared_first: int) -> ArrayRecord:
     """One round whose 8 clients moved from ``arrays`` by small updates whose elements
     ``shared_first .. shared_first + 5`` follow common factors; each client sends what a
     client of that round sends: whole rows, or only the shared rows where the server asks for
     a sliced uplink."""
-    strategy.begin_round(server_round)
+    strategy.start_round(server_round)
     start = arrays["body.1.weight"].numpy()
     updates = [np.roll(0.01 * start.std() * d, shared_first, axis=0)
                for d in _sampled_weights(8, 60)]
     replies = _replies_around(arrays, [start + d for d in updates])
-    masks = strategy.uplink_masks()
+    masks = strategy.uplink_rows()
     if masks is not None:
         for reply in replies:
-            for key, layer in strategy.layer_of_key.items():
+            for key, layer in strategy.wire.layer_of_key.items():
                 reply.arrays[key] = Array(reply.arrays[key].numpy()[masks[layer]])
-    return strategy.aggregate_train(server_round, replies, arrays)
+    return strategy.merge_updates(server_round, replies, arrays)
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
@@ -224,14 +234,14 @@ def test_static_splits_once_and_slices_its_uplink_dynamic_splits_every_round(mod
     1's split and from round 2 on asks only for the shared rows (personal rows never leave a
     client); dynamic splits again on round 2's whole rows."""
     strategy = _mlp_strategy(**{"fedfac.mode": mode})
-    arrays = _round(strategy, strategy.global_arrays, 1, shared_first=0)
+    arrays = _round(strategy, _start(strategy), 1, shared_first=0)
     first = strategy.split["body.1"].copy()
     assert set(np.flatnonzero(first)) == set(range(6))
-    strategy.begin_round(2)
+    strategy.start_round(2)
     if mode == "static":
-        np.testing.assert_array_equal(strategy.uplink_masks()["body.1"], first)
+        np.testing.assert_array_equal(strategy.uplink_rows()["body.1"], first)
     else:
-        assert strategy.uplink_masks() is None
+        assert strategy.uplink_rows() is None
     _round(strategy, arrays, 2, shared_first=10)
     second = set(np.flatnonzero(strategy.split["body.1"]))
     assert second == (set(range(6)) if mode == "static" else set(range(10, 16)))
@@ -243,7 +253,7 @@ def test_server_lr_moves_the_shared_part_that_fraction_of_the_way_to_the_mean():
     moved = {}
     for server_lr in (1.0, 0.5):
         strategy = _mlp_strategy(**{"fedfac.warmup-rounds": 1, "fedfac.server-lr": server_lr})
-        arrays = strategy.global_arrays
+        arrays = _start(strategy)
         moved[server_lr] = _round(strategy, arrays, 1, shared_first=0)
     start = arrays["body.1.weight"].numpy()
     np.testing.assert_allclose(moved[0.5]["body.1.weight"].numpy() - start,
@@ -344,8 +354,8 @@ def test_all_shared_layer_equals_fedavg():
     initial = initial_state(settings).arrays
     replies = [_reply(c, initial) for c in clients]
     wire = wire_spec(settings)
-    fedfac = FedFacStrategy(settings, initial, wire).aggregate_train(1, replies, initial)
-    fedavg = Strategy(settings, initial, wire).aggregate_train(1, replies, initial)
+    fedfac = _rule(settings, wire).merge_updates(1, replies, initial)
+    fedavg = _rule(settings, wire, MethodRule).merge_updates(1, replies, initial)
     assert set(fedfac) == set(fedavg)
     for key in fedavg:
         np.testing.assert_allclose(fedfac[key].numpy(), fedavg[key].numpy(), rtol=1e-5,
@@ -355,7 +365,7 @@ def test_all_shared_layer_equals_fedavg():
 def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server():
     client = _client(0)
     initial = initial_state(client.settings).arrays
-    strategy = FedFacStrategy(client.settings, initial, client.wire)
+    strategy = _rule(client.settings, client.wire)
     model = client.model(initial)
     with torch.no_grad():
         model.body[0].weight.add_(1.0)  # this client's own conv kernels
@@ -376,8 +386,8 @@ def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server()
 def test_whole_layer_personal_sends_no_rows():
     client = _client(0, **{"fedfac.tau-quantile": 2.0})
     initial = initial_state(client.settings).arrays
-    strategy = FedFacStrategy(client.settings, initial, client.wire)
-    strategy.aggregate_train(1, [_reply(client, initial), _reply(_client(1), initial)],
+    strategy = _rule(client.settings, client.wire)
+    strategy.merge_updates(1, [_reply(client, initial), _reply(_client(1), initial)],
                               initial)
     assert not strategy.split["body.0"].any()
     down = strategy.downlink(2, "0", initial)
@@ -390,7 +400,7 @@ def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
     accuracy it reports is that model's."""
     client = _client(3, **{"local-epochs": 1})
     initial = initial_state(client.settings).arrays
-    strategy = FedFacStrategy(client.settings, initial, client.wire)
+    strategy = _rule(client.settings, client.wire)
     strategy.split = {"body.0": np.arange(32) % 4 == 0}
     down = strategy.downlink(0, None, initial)
     scored = []
@@ -493,6 +503,11 @@ def test_real_rounds_split_on_the_wire(federation, tmp_path, mode):
     for name in ("localtrain", "ensemble"):
         assert 0.0 <= new[name]["per_client"]["3"] <= 1.0
         assert 0.0 <= new[name]["accuracy_task_mean"] <= 1.0
+    # its traffic is counted, apart from the rounds': down, the shared part and then the
+    # shared part with 3 members (more than a trained client's downlink); up, the members
+    per_client_down = rounds[-1]["bytes_down_train"] / rounds[-1]["train"]["num_clients"]
+    assert new["bytes_down"] > 2 * per_client_down and new["bytes_up"] > 0
+    assert results["final"]["bytes_down_total"] == sum(r["bytes_down"] for r in rounds)
     assert all("dropped" not in r for r in rounds)   # uplink shapes matched the split
     analysed = [r["round"] for r in rounds if "fedfac" in r]
     assert analysed == ([1] if mode == "static" else [1, 2, 3])

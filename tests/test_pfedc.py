@@ -13,8 +13,9 @@ from flwr.app import Array, ArrayRecord, Context, MetricRecord, RecordDict
 from client_app.runtime import Client
 from common.protocol import ClientReply
 from models.pfedc import BranchHead, branch_of_key, task_groups
+from strategies.engine import RoundEngine
 from strategies.pfedc.client import mgda_ub_weights, min_norm_weights, train_pfedc
-from strategies.pfedc.server import PFedCStrategy, masked_branch_average
+from strategies.pfedc.server import PFedCRule, masked_branch_average
 from strategies.registry import build_model, initial_state, load_settings, wire_spec
 from strategies.training import LocalTraining, sgd
 from tests.conftest import app_config, read_results
@@ -101,9 +102,9 @@ def test_clients_disclose_presence_by_default_and_counts_only_as_the_option(weig
     assert sent == expected.tolist()
 
 
-def _strategy(**overrides) -> PFedCStrategy:
+def _strategy(**overrides) -> PFedCRule:
     settings = load_settings(app_config(method="pfedc", **overrides))
-    return PFedCStrategy(settings, initial_state(settings).arrays, wire_spec(settings))
+    return RoundEngine(settings, wire_spec(settings), PFedCRule).rule
 
 
 def test_downlink_carries_only_held_branches_and_their_holders_average():
@@ -236,7 +237,7 @@ def test_the_shared_extractor_is_averaged_by_examples_eq6():
         branches = {k: sent[k] for k in sent if k not in phi}
         replies.append(ClientReply(pid, client.client_id, ArrayRecord({**phi, **branches}),
                                    MetricRecord({"num-examples": examples}), client.identity()))
-    merged = strategy.aggregate_train(1, replies, arrays)
+    merged = strategy.merge_updates(1, replies, arrays)
     for key in strategy.wire.phi_keys:
         np.testing.assert_allclose(merged[key].numpy(), (1.0 * 10 + 5.0 * 30) / 40, rtol=1e-6)
 
@@ -296,7 +297,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
     settings = clients[0].settings
     assert settings.method_settings.weighting == "uniform"  # the default
     arrays = initial_state(settings).arrays
-    strategy = PFedCStrategy(settings, arrays, wire_spec(settings))
+    strategy = RoundEngine(settings, wire_spec(settings), PFedCRule).rule
     presence = {c.client_id: c.identity()["pfedc.task-weights"] for c in clients}
     assert sum(0.0 in w for w in presence.values()) >= 3  # most clients lack some class
     left_by_training: dict[str, dict[str, torch.Tensor]] = {}
@@ -325,7 +326,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
             latest[cid] = {k: v.numpy() for k, v in sent.items()}
             replies.append(ClientReply(client.partition_id, cid, sent, MetricRecord(
                 {"num-examples": len(client.data().y_train)}), identity))
-        arrays = strategy.aggregate_train(server_round, replies, arrays)
+        arrays = strategy.merge_updates(server_round, replies, arrays)
         for task, keys in strategy.keys_of_task.items():
             holders = [c for c, w in presence.items() if w[task] > 0]
             for key in keys:
@@ -375,7 +376,7 @@ def test_personal_branches_ablation_sends_each_client_its_own_branches_back():
     shared_branches = set.intersection(*({k for k in s if k not in strategy.wire.phi_keys}
                                          for s in sent_by.values()))
     assert shared_branches  # a class both hold: averaged, it would come back as 3.0
-    merged = strategy.aggregate_train(1, replies, arrays)
+    merged = strategy.merge_updates(1, replies, arrays)
     for key in shared_branches:  # what a client not seen yet receives: the initial branch
         np.testing.assert_array_equal(merged[key].numpy(), arrays[key].numpy())
     for cid, sent in sent_by.items():

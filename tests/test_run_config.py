@@ -8,8 +8,9 @@ import pytest
 from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
-from common.config import ConfigError, app_defaults
+from common.config import ConfigError
 from common.protocol import error_reason, shared_failure
+from launch.app_project import app_defaults
 from launch.run_config import check_run_config, parse_overrides
 from tests.conftest import ROOT
 

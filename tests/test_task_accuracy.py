@@ -43,6 +43,7 @@ from common.record import personalized_stats
 from fldata import dataset_shape
 from launch.comparison import summarize_run
 from server_app.tracking import round_metrics
+from strategies.engine import RoundEngine
 from strategies.engine.exchange import Exchange
 from strategies.registry import REGISTRY, initial_state, load_settings
 from strategies.training import accuracy_scores, evaluate_model
@@ -178,7 +179,7 @@ def test_stats_average_task_accuracy_unweighted_over_clients():
 def _strategy():
     settings = load_settings(app_config(method="fedavg"))
     initial, wire = initial_state(settings)
-    return REGISTRY["fedavg"].strategy(settings, initial, wire), initial
+    return RoundEngine(settings, wire, REGISTRY["fedavg"].rule), initial
 
 
 def _reply(message: Message, partition: int, metrics: dict) -> Message:

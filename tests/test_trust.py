@@ -35,6 +35,7 @@ from common.protocol import (
     TRAIN_METRICS,
 )
 from server_app.rounds import check_resumable
+from strategies.engine import RoundEngine
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import valid_replies
 from strategies.engine.robust import combine
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("server_task")
 def _strategy(method: str = "fedavg", **overrides):
     settings = load_settings(app_config(method=method, **overrides))
     initial, wire = initial_state(settings)
-    return REGISTRY[method].strategy(settings, initial, wire), initial
+    return RoundEngine(settings, wire, REGISTRY[method].rule), initial
 
 
 def _honest_reply(client: Client, arrays: ArrayRecord) -> tuple[Message, RecordDict]:
@@ -122,7 +123,7 @@ def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
     assert TRAIN_CASES[case][1] in dropped[0]["reason"], dropped[0]["reason"]
     assert "\n" not in dropped[0]["reason"] and "\n" not in dropped[0]["client"]
     # the checked arrays are the decoded values, ready for aggregation
-    strategy.aggregate_train(1, valid, initial)
+    strategy.rule.merge_updates(1, valid, initial)
 
 
 @pytest.mark.parametrize(("metric", "value"), [("accuracy", [0.5, 0.5]), ("loss", [1.0]),
@@ -231,10 +232,10 @@ def test_client_ids_are_capped_and_expire_with_their_tables():
     assert _claims(strategy, {1: "a", 2: "b", 3: "c"}) == ["a", "b"]
     assert "max-clients=2" in strategy.ledger.record(1).dropped[0]["reason"]
     strategy.evaluation.per_client_accuracy.update({"a": 0.5, "b": 0.6})
-    strategy.task_weights.update({"a": [1.0], "b": [1.0]})
+    strategy.rule.task_weights.update({"a": [1.0], "b": [1.0]})
     assert _claims(strategy, {2: "b"}, server_round=4) == ["b"]
     strategy.forget_expired(5)  # "a" last heard from in round 1
-    assert set(strategy.evaluation.per_client_accuracy) == set(strategy.task_weights) == {"b"}
+    assert set(strategy.evaluation.per_client_accuracy) == set(strategy.rule.task_weights) == {"b"}
     assert strategy.nodes.client_of(1) is None
     assert _claims(strategy, {3: "c"}, server_round=5) == ["c"]  # room again
 

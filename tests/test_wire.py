@@ -28,6 +28,7 @@ from common.protocol import (
 )
 from models.factorized_fl import matching_key
 from models.pfedc import branch_of_key
+from strategies.engine import RoundEngine
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import valid_replies
 from strategies.registry import REGISTRY, initial_state
@@ -51,10 +52,10 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
                 ) -> tuple[list, list]:
     """Each client receives its downlink and replies with what its wire spec builds; the
     server validates the replies exactly as in a round."""
-    strategy.begin_round(server_round)
+    strategy.rule.start_round(server_round)
     sent, replies = [], []
     for client in clients:
-        down = strategy.downlink(server_round, client.client_id, arrays)
+        down = strategy.rule.downlink(server_round, client.client_id, arrays)
         message = Message(RecordDict({ARRAYS: down, CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
                           dst_node_id=client.context.node_id, message_type=MessageType.TRAIN)
         model = client.model(down)
@@ -65,7 +66,7 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
             CLIENT: identity}), reply_to=message)
         sent.append(message)
         replies.append((client.context.node_id, reply))
-    masks = strategy.uplink_masks()
+    masks = strategy.rule.uplink_rows()
     valid = valid_replies(strategy.ledger, strategy.nodes, server_round, "train",
                           Exchange(sent, replies), TRAIN_METRICS, 1.0,
                           lambda r: strategy.wire.uplink_spec(r.info, masks))
@@ -80,12 +81,12 @@ def _three_rounds(method: str, overrides: dict):
     clients = [make_client(p, run_config) for p in range(4)]
     settings = clients[0].settings
     initial, wire = initial_state(settings)
-    strategy = REGISTRY[method].strategy(settings, initial, wire)
+    strategy = RoundEngine(settings, wire, REGISTRY[method].rule)
     arrays = initial
     for server_round in (1, 2, 3):
         valid, dropped = _round_trip(strategy, clients, server_round, arrays)
         yield server_round, strategy, clients, valid, dropped
-        arrays = strategy.aggregate_train(server_round, valid, arrays)
+        arrays = strategy.rule.merge_updates(server_round, valid, arrays)
 
 
 @pytest.mark.parametrize(("method", "overrides"), SCENARIOS,
@@ -99,7 +100,7 @@ def test_replies_built_from_the_wire_spec_pass_validation(method, overrides):
     _, strategy, clients, valid, _ = rounds[-1]
     initial = initial_state(clients[0].settings).arrays
     if method == "fedfac":
-        assert strategy.split is not None
+        assert strategy.rule.split is not None
     if method == "pfedc" and overrides:
         # clients holding some classes only: their uplinks lack the other branches
         assert any(len(r.arrays) < len(initial) for r in valid)
@@ -111,7 +112,7 @@ def test_a_reply_that_breaks_the_wire_spec_is_dropped():
     run_config = app_config(method="pfedc", partitioner="pathological")
     client = make_client(0, run_config)
     initial, wire = initial_state(client.settings)
-    strategy = REGISTRY["pfedc"].strategy(client.settings, initial, wire)
+    strategy = RoundEngine(client.settings, wire, REGISTRY["pfedc"].rule)
     identity = client.identity()
     weights = identity["pfedc.task-weights"]
     lying = ConfigRecord({**identity, "pfedc.task-weights": [1.0] * len(weights)})
@@ -181,9 +182,9 @@ def test_a_client_sends_exactly_its_methods_shared_part_in_every_round(method, o
                         if _stays_on_the_client(method, overrides, client, model, k)}
             assert set(reply.arrays) == set(model.state_dict()) - personal, server_round
             if method == "fedfac":
-                split = strategy.split if server_round > 1 else None
+                split = strategy.rule.split if server_round > 1 else None
                 static = settings.method_settings.mode == "static"
-                for key, layer in strategy.layer_of_key.items():
+                for key, layer in strategy.wire.layer_of_key.items():
                     rows = (int(split[layer].sum()) if static and split is not None
                             else model.state_dict()[key].shape[0])
                     assert reply.arrays[key].shape[0] == rows, (key, server_round)

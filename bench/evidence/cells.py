@@ -21,7 +21,7 @@ from bench.evidence.protocol import (
     settings_stage,
 )
 from bench.report import RESULTS, produced_by
-from common.config import app_defaults, app_packages
+from launch.app_project import app_defaults, app_packages
 from launch.comparison import choose, comparable_config, config_tag, slope, summarize_run
 from launch.federation import LocalFederation
 from strategies.registry import REGISTRY

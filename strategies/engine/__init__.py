@@ -1,7 +1,12 @@
-"""The round engine every method runs on (``strategy.py``: the round's stages in order; the
-hooks a method may override: ``hooks.py``)."""
+"""The round engine every method runs on: ``round_engine.RoundEngine`` runs the rounds and
+holds a method's server rule (``rule.MethodRule``: the hooks, in the order a round calls
+them), which sees the run through a ``rule.RuleContext``. Outside this package only these
+names are used."""
 
 from strategies.engine.replies import RunFailedError
-from strategies.engine.strategy import Strategy
+from strategies.engine.robust import combine
+from strategies.engine.round_engine import RoundEngine
+from strategies.engine.rule import AFTER_TRAINING, MethodRule, RuleContext
 
-__all__ = ["RunFailedError", "Strategy"]
+__all__ = ["AFTER_TRAINING", "MethodRule", "RoundEngine", "RuleContext", "RunFailedError",
+           "combine"]

@@ -58,10 +58,12 @@ class RoundLedger:
         self.record(server_round).exchange_seconds.append(seconds)
 
     def downlink(self, server_round: int, messages: list[Message]) -> None:
-        """Bytes of the arrays in ``messages`` (all of one message type)."""
+        """Bytes of the arrays in ``messages`` (all of one message type; a train message's
+        count as training, the others' as evaluation)."""
         if not messages:
             return
-        down = sum(m.content[ARRAYS].count_bytes() for m in messages)
+        down = sum(m.content.array_records[ARRAYS].count_bytes() for m in messages
+                   if ARRAYS in m.content.array_records)
         record = self.record(server_round)
         if messages[0].metadata.message_type == MessageType.TRAIN:
             record.bytes_down_train += down

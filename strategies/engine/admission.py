@@ -28,14 +28,14 @@ OnIdentified = Callable[[str, dict[str, Any]], None]
 class Admission:
     def __init__(self, settings: RunSettings, nodes: NodeDirectory, messenger: Messenger,
                  replies: ReplyCheck, ledger: RoundLedger, evaluation: PendingEvaluation,
-                 on_identified: OnIdentified) -> None:
+                 client_identified: OnIdentified) -> None:
         self.settings = settings
         self.nodes = nodes
         self.messenger = messenger
         self.replies = replies
         self.ledger = ledger
         self.evaluation = evaluation
-        self.on_identified = on_identified
+        self.client_identified = client_identified
 
     def connected(self, grid: Grid) -> list[int]:
         """The connected nodes, once there are ``min-nodes`` (or ``round-timeout`` passed)."""
@@ -99,5 +99,5 @@ class Admission:
         for reply in self.replies.valid(server_round, "identify", batch, None):
             info = dict(reply.info)
             self.nodes.identified(reply.node_id, reply.client_id, info)
-            self.on_identified(reply.client_id, info)
+            self.client_identified(reply.client_id, info)
         return batch

@@ -112,8 +112,8 @@ def _pull(grid: Grid, pending: Iterable[str], failing_since: float | None
 @dataclass
 class Messenger:
     """Every message the engine sends: one per node with that client's own downlink, the
-    exchange that sends a batch and waits for its replies, and a method's queries; the bytes
-    down and the waits go into the ledger."""
+    exchange that sends a batch and waits for its replies, and queries; the bytes down and
+    the waits go into the ledger."""
 
     settings: RunSettings
     ledger: RoundLedger
@@ -148,9 +148,15 @@ class Messenger:
                                   time.perf_counter() - started)
         return batch
 
-    def query(self, grid: Grid, contents: dict[int, RecordDict]) -> Exchange:
+    def query(self, grid: Grid, contents: dict[int, RecordDict],
+              server_round: int | None = None) -> Exchange:
         """One ``query`` message per node (``contents``: node -> content with an ``action``
-        in its ``config`` record); the replies that arrived in time."""
-        return exchange(grid, [Message(content, dst_node_id=node, message_type=MessageType.QUERY)
-                               for node, content in contents.items()],
-                        self.settings.round_timeout, self.settings.max_in_flight)
+        in its ``config`` record); the replies that arrived in time. With ``server_round``,
+        the arrays' bytes go into that round's downlink count (identify queries carry
+        none)."""
+        messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY)
+                    for node, content in contents.items()]
+        if server_round is not None:
+            self.ledger.downlink(server_round, messages)
+        return exchange(grid, messages, self.settings.round_timeout,
+                        self.settings.max_in_flight)

@@ -128,7 +128,7 @@ class NodeDirectory:
 
     def expire(self, server_round: int) -> list[str]:
         """Forget client ids not heard from in the last ``identity.expire-rounds`` rounds
-        (0: never); returns them (the strategy drops their per-client tables)."""
+        (0: never); returns them (the engine drops their per-client tables)."""
         if not self.expire_rounds:
             return []
         gone = [c for c, seen in self.last_seen.items()

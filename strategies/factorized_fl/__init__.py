@@ -7,11 +7,11 @@ L1 penalty on ``mu``), ``models/factorized_fl.py`` (the factorization).
 
 from models.factorized_fl import factorize
 from strategies.factorized_fl.client import train_factorized_fl
-from strategies.factorized_fl.server import FactorizedFLStrategy
+from strategies.factorized_fl.server import FactorizedFLRule
 from strategies.factorized_fl.spec import FactorizedFLSettings, FactorsShared
 from strategies.method import Method
 
-METHOD = Method("factorized-fl", wire=FactorsShared, strategy=FactorizedFLStrategy,
+METHOD = Method("factorized-fl", wire=FactorsShared, rule=FactorizedFLRule,
                 local_train=train_factorized_fl, settings=FactorizedFLSettings,
                 transform=lambda model, settings: factorize(
                     model, settings.method_settings.mu_init))

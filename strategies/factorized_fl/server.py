@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from common.config import RunSettings
 from common.protocol import ClientReply, client_order
-from strategies.engine import Strategy
+from strategies.engine import MethodRule, RuleContext
 from strategies.factorized_fl.spec import FactorizedFLSettings, FactorsShared
 
 
@@ -59,31 +58,26 @@ def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float,
 MATRIX_IN_RESULTS = 100
 
 
-class FactorizedFLStrategy(Strategy[FactorizedFLSettings]):
+class FactorizedFLRule(MethodRule[FactorizedFLSettings]):
     """Per round the similarities and weights of all known clients (one matrix product), but
     a client's weighted average only when it is sent to that client (``downlink``): with 1,000
     clients and ``fraction-train = 0.1`` that is 100 rows of work instead of 1,000, and no
     table of personal models. Every average is taken over the same snapshot as before
-    (``latest`` changes only in ``aggregate_train``), so what a client receives is the same."""
+    (``latest`` changes only in ``merge_updates``), so what a client receives is the same."""
 
     checkpointed = ("latest",)
     client_tables = ("latest",)
     wire: FactorsShared
 
-    def __init__(self, settings: RunSettings[FactorizedFLSettings], initial_arrays: ArrayRecord,
-                 wire: FactorsShared) -> None:
-        super().__init__(settings, initial_arrays, wire)
-        self.match_key = wire.match_key
-        self.tau = settings.method_settings.tau
-        self.epsilon = settings.method_settings.epsilon
-        self.min_aggregated = settings.method_settings.min_aggregated
+    def __init__(self, run: RuleContext[FactorizedFLSettings]) -> None:
+        super().__init__(run)
         self.latest: dict[str, dict[str, np.ndarray]] = {}
         self._snapshot: tuple[dict[str, int], np.ndarray] | None = None  # rows, weights
         self._stacked: dict[str, np.ndarray] = {}  # key -> (clients, size), this snapshot
         self._personal: dict[str, ArrayRecord] = {}  # downlinks built from this snapshot
 
-    def aggregate_train(self, server_round: int, replies: list[ClientReply],
-                        arrays: ArrayRecord) -> ArrayRecord:
+    def merge_updates(self, server_round: int, replies: list[ClientReply],
+                      arrays: ArrayRecord) -> ArrayRecord:
         for reply in replies:
             self.latest[reply.client_id] = {k: reply.arrays[k].numpy() for k in reply.arrays}
         clients, similarity, weights = self._match()
@@ -95,20 +89,21 @@ class FactorizedFLStrategy(Strategy[FactorizedFLSettings]):
             off = similarity[~np.eye(len(clients), dtype=bool)]
             report = {"num_clients": len(clients), "mean": round(float(off.mean()), 4),
                       "neighbours_mean": float((weights > 0).sum(axis=1).mean())}
-        self.report(server_round, "similarity", report)
-        return self.aggregate_keys(replies, list(self.wire.shared_spec), arrays)  # new clients
+        self.run.report(server_round, "similarity", report)
+        return self.run.aggregate(replies, list(self.wire.shared_spec), arrays)  # new clients
 
     def _match(self) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Similarities and weights of the current snapshot; forgets the downlinks built from
         the previous one."""
+        options = self.settings.method_settings
         clients, similarity, weights = matching_weights(
-            {c: u[self.match_key] for c, u in self.latest.items()}, self.tau, self.epsilon,
-            self.min_aggregated)
+            {c: u[self.wire.match_key] for c, u in self.latest.items()}, options.tau,
+            options.epsilon, options.min_aggregated)
         self._snapshot = ({c: i for i, c in enumerate(clients)}, weights)
         self._stacked, self._personal = {}, {}
         return clients, similarity, weights
 
-    def client_tables_changed(self) -> None:
+    def tables_changed(self) -> None:
         """Restored uploads, or an expired client gone from them: a new snapshot."""
         if self.latest:
             self._match()
@@ -133,5 +128,5 @@ class FactorizedFLStrategy(Strategy[FactorizedFLSettings]):
                 for name in self.wire.shared_spec})
         return self._personal[client_id]
 
-    def state_tables(self) -> dict[str, Any]:
+    def results_tables(self) -> dict[str, Any]:
         return {"factorized-fl": {"known_clients": sorted(self.latest, key=client_order)}}

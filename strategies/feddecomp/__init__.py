@@ -8,12 +8,12 @@ the same aggregate and adds its own ``tau``.
 
 from models.feddecomp import decompose
 from strategies.feddecomp.client import train_feddecomp
-from strategies.feddecomp.server import FedDecompStrategy
+from strategies.feddecomp.server import FedDecompRule
 from strategies.feddecomp.spec import FedDecompSettings, SigmaShared, check, linear_rank
 from strategies.method import Method
 
 METHOD = Method(
-    "feddecomp", wire=SigmaShared, strategy=FedDecompStrategy, local_train=train_feddecomp,
+    "feddecomp", wire=SigmaShared, rule=FedDecompRule, local_train=train_feddecomp,
     settings=FedDecompSettings,
     transform=lambda model, settings: decompose(
         model, settings.method_settings.rank_conv, linear_rank(settings),

@@ -11,12 +11,12 @@ from __future__ import annotations
 from flwr.app import ArrayRecord
 
 from common.protocol import ClientReply
-from strategies.engine import Strategy
+from strategies.engine import MethodRule
 from strategies.feddecomp.spec import FedDecompSettings
 
 
-class FedDecompStrategy(Strategy[FedDecompSettings]):
-    def aggregate_train(self, server_round: int, replies: list[ClientReply],
-                        arrays: ArrayRecord) -> ArrayRecord:
+class FedDecompRule(MethodRule[FedDecompSettings]):
+    def merge_updates(self, server_round: int, replies: list[ClientReply],
+                      arrays: ArrayRecord) -> ArrayRecord:
         uniform = self.settings.method_settings.weighting == "uniform"
-        return self.aggregate_keys(replies, list(arrays.keys()), arrays, uniform)
+        return self.run.aggregate(replies, list(arrays.keys()), arrays, uniform)

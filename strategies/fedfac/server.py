@@ -40,25 +40,21 @@ from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.config import RunSettings
 from common.protocol import (
-    ACTION,
-    ARRAYS,
-    CONFIG,
     NUM_PARTITIONS,
     PARTITION_ID,
     TASK_ACCURACY,
     ClientReply,
     client_order,
 )
-from strategies.engine import Strategy
-from strategies.engine.robust import combine
+from fldata import synthetic_generator
+from strategies.engine import AFTER_TRAINING, MethodRule, RuleContext, combine
 from strategies.fedfac.spec import MEMBER_PREFIX, FedFacSettings, SharedRows
-from strategies.reference_splits import ReferenceSplit
 from strategies.wire import Masks
 
 
@@ -114,37 +110,71 @@ def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
     return nu >= np.quantile(nu, tau_quantile), nu, num_factors
 
 
+# ---------------------------------------------------------------------- reference splits
+# The ``fedfac.split`` option, to measure FedFac's own split against others.
+# FedFac's split claim (the estimated split beats a random one of the same size, eq. 8) needs
+# splits to compare with: ``true``, the synthetic generator's own split of the first analysed
+# layer's units (``dataset = "synthetic-fedfac"`` only), and ``random``, as many shared
+# elements as FedFac estimated, drawn at random (seeded by the run's seed and the round).
+# ``estimate`` (the default) is FedFac itself: the estimate goes through unchanged. The
+# key and its check are declared with the other FedFac keys (``spec.py``). On the synthetic
+# data, the report also says how much of the true split the estimate found.
+SYNTHETIC = "synthetic-fedfac"
+
+
+class ReferenceSplit:
+    def __init__(self, settings: RunSettings[FedFacSettings], first_layer: str,
+                 num_units: int) -> None:
+        self.kind = settings.method_settings.split
+        self.seed = settings.seed
+        self.first_layer = first_layer
+        self.true_shared: np.ndarray | None = None
+        if settings.dataset == SYNTHETIC:
+            true = synthetic_generator(settings).true_shared_units()
+            if len(true) == num_units:  # the generator's units are the layer's elements
+                self.true_shared = true
+
+    def apply(self, server_round: int, layer: str, estimated: np.ndarray) -> np.ndarray:
+        """The split to use for ``layer`` in place of FedFac's ``estimated`` one."""
+        if self.kind == "true" and layer == self.first_layer:
+            return self.true_shared.copy()
+        if self.kind == "random":
+            rng = np.random.default_rng([self.seed, server_round])
+            mask = np.zeros_like(estimated)
+            mask[rng.choice(len(mask), int(estimated.sum()), replace=False)] = True
+            return mask
+        return estimated
+
+    def overlap(self, layer: str, mask: np.ndarray) -> dict[str, Any]:
+        """``true_overlap``: the share of the true shared units in ``mask`` (synthetic data,
+        first analysed layer), for the per-round report."""
+        if self.true_shared is None or layer != self.first_layer:
+            return {}
+        return {"true_overlap": float((mask & self.true_shared).sum()
+                                      / max(self.true_shared.sum(), 1))}
+
+
 # ---------------------------------------------------------------------- server
-AFTER_TRAINING = 0  # the ledger's record for replies after the last round (never a round)
-
-
-class FedFacStrategy(Strategy[FedFacSettings]):
+class FedFacRule(MethodRule[FedFacSettings]):
     checkpointed = ("split", "communalities")
     wire: SharedRows
 
-    def __init__(self, settings: RunSettings[FedFacSettings], initial_arrays: ArrayRecord,
-                 wire: SharedRows) -> None:
-        super().__init__(settings, initial_arrays, wire)
-        options = settings.method_settings
-        self.layers = wire.layers
-        self.layer_of_key = wire.layer_of_key
-        self.static = wire.static
-        self.kappa = options.kappa
-        self.tau_quantile = options.tau_quantile
-        self.server_lr = options.server_lr
-        self.on_updates = options.analysis == "updates"
-        self.warmup_rounds = options.warmup_rounds
+    def __init__(self, run: RuleContext[FedFacSettings]) -> None:
+        super().__init__(run)
+        self.options = self.settings.method_settings
         self.split: dict[str, np.ndarray] | None = None
         self.communalities: dict[str, np.ndarray] = {}  # last analysis (warm start)
-        self.reference = ReferenceSplit(settings, self.layers[0],
-                                        wire.shared_spec[f"{self.layers[0]}.weight"][0][0])
-        self.sliced_uplink = False  # whether this round's clients send only shared rows
+        first = self.wire.layers[0]
+        self.reference = ReferenceSplit(self.settings, first,
+                                        self.wire.shared_spec[f"{first}.weight"][0][0])
 
-    def begin_round(self, server_round: int) -> None:
-        self.sliced_uplink = self.static and self.split is not None
+    def sliced_uplink(self) -> bool:
+        """Whether the clients send only the shared rows: in static mode, once the split is
+        made (the replies of the round that makes it are whole)."""
+        return self.wire.static and self.split is not None
 
-    def uplink_masks(self) -> Masks | None:
-        return self.split if self.sliced_uplink else None
+    def uplink_rows(self) -> Masks | None:
+        return self.split if self.sliced_uplink() else None
 
     def analysed_matrices(self, layer: str, replies: list[ClientReply],
                           arrays: ArrayRecord) -> list[np.ndarray]:
@@ -152,7 +182,7 @@ class FedFacStrategy(Strategy[FedFacSettings]):
         weight minus the round's starting shared weight (``"updates"``)."""
         key = f"{layer}.weight"
         weights = [r.arrays[key].numpy() for r in replies]
-        if not self.on_updates:
+        if self.options.analysis != "updates":
             return weights
         start = arrays[key].numpy().astype(np.float64)
         return [w.astype(np.float64) - start for w in weights]
@@ -161,14 +191,15 @@ class FedFacStrategy(Strategy[FedFacSettings]):
                  arrays: ArrayRecord) -> None:
         report: dict[str, Any] = {}
         split: dict[str, np.ndarray] = {}
-        for layer in self.layers:
+        for layer in self.wire.layers:
             start = time.perf_counter()
             previous = self.communalities.get(layer)
             mask, nu, factors = shared_elements(
-                self.analysed_matrices(layer, replies, arrays), self.kappa,
-                self.tau_quantile, None if previous is None else np.clip(1 - previous, 0, 1))
+                self.analysed_matrices(layer, replies, arrays), self.options.kappa,
+                self.options.tau_quantile,
+                None if previous is None else np.clip(1 - previous, 0, 1))
             self.communalities[layer] = nu
-            mask = self.reference.apply(server_round, layer, mask)  # benchmarks only
+            mask = self.reference.apply(server_round, layer, mask)  # fedfac.split
             kept = None if self.split is None else float((self.split[layer] == mask).mean())
             split[layer] = mask
             report[layer] = {"shared": np.flatnonzero(mask).tolist(),
@@ -178,24 +209,28 @@ class FedFacStrategy(Strategy[FedFacSettings]):
                              "analysis_seconds": time.perf_counter() - start,
                              **self.reference.overlap(layer, mask)}
         self.split = split
-        self.report(server_round, "fedfac", report)
+        self.run.report(server_round, "fedfac", report)
 
-    def aggregate_train(self, server_round: int, replies: list[ClientReply],
-                        arrays: ArrayRecord) -> ArrayRecord:
-        if server_round > self.warmup_rounds and (self.split is None or not self.static):
+    def merge_updates(self, server_round: int, replies: list[ClientReply],
+                      arrays: ArrayRecord) -> ArrayRecord:
+        sliced = self.sliced_uplink()  # what these replies carry: decided before a new split
+        if server_round > self.options.warmup_rounds and (self.split is None
+                                                          or not self.wire.static):
             self._analyse(server_round, replies, arrays)
-        rows = {key: slice(None) if key not in self.layer_of_key or self.split is None
-                else self.split[self.layer_of_key[key]] for key in arrays}
-        cut = {key: slice(None) if self.sliced_uplink else rows[key] for key in rows}
+        layer_of_key = self.wire.layer_of_key
+        rows = {key: slice(None) if key not in layer_of_key or self.split is None
+                else self.split[layer_of_key[key]] for key in arrays}
+        cut = {key: slice(None) if sliced else rows[key] for key in rows}
         old = {key: value.numpy() for key, value in arrays.items()}
         # the shared rows by the run's aggregation rule (default: example-weighted mean)
         mean = combine([{k: r.arrays[k].numpy()[cut[k]] for k in rows} for r in replies],
                        [r.num_examples for r in replies],
                        {k: old[k][rows[k]] for k in rows}, self.settings)
         merged = {}
+        server_lr = self.options.server_lr
         for key, current in old.items():
             new = current.astype(np.float64).copy()
-            new[rows[key]] = new[rows[key]] + self.server_lr * (mean[key] - new[rows[key]])
+            new[rows[key]] = new[rows[key]] + server_lr * (mean[key] - new[rows[key]])
             merged[key] = Array(new.astype(current.dtype))
         return ArrayRecord(merged)
 
@@ -204,60 +239,63 @@ class FedFacStrategy(Strategy[FedFacSettings]):
         return arrays if self.split is None else self.wire.pack_downlink(arrays, self.split)
 
     # ------------------------------------------------------------------ new clients
-    def on_identified(self, client_id: str, info: dict[str, Any]) -> None:
+    def client_identified(self, client_id: str, info: dict[str, Any]) -> None:
         """Hold the last ``fedfac.new-clients`` fraction of partitions out of training."""
-        fraction = self.settings.method_settings.new_clients
+        fraction = self.options.new_clients
         total = int(info[NUM_PARTITIONS])
         held_out = max(1, round(fraction * total)) if fraction > 0 else 0
-        excluded = self.nodes.excluded_clients
-        if int(info[PARTITION_ID]) >= total - held_out and client_id not in excluded:
-            excluded.add(client_id)
+        if int(info[PARTITION_ID]) >= total - held_out and client_id not in self.run.held_out():
+            self.run.hold_out(client_id)
             log(INFO, "fedfac: new client %s held out of training", client_id)
 
-    def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
+    def after_last_round(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
         """Table 3 of the paper: new clients with LocalTrain and with Ensemble."""
-        excluded = self.nodes.excluded_clients
-        if not excluded or self.split is None:
+        new_clients = self.run.held_out()
+        if not new_clients or self.split is None:
             return None
-        existing = set(self.nodes.client_info) - excluded
-        # replies are validated like every other (dropped ones: under new_clients.dropped)
-        personal_spec = {k: self.wire.shared_spec[k] for k in self.wire.always_personal}
-        personal = self.replies.valid(AFTER_TRAINING, "fedfac.personal", self.messenger.query(
-            grid, {n: RecordDict({CONFIG: ConfigRecord({ACTION: "fedfac.personal"})})
-                   for n in self.nodes.nodes_of(existing)}), None, lambda _: personal_spec)
-        downlink = self.downlink(0, None, arrays)
-        members = dict(arrays.items())
-        for i, reply in enumerate(personal):
-            for key, value in reply.arrays.items():
-                shared = self.split[self.layer_of_key[key]]
-                own = value.numpy().copy()
-                own[shared] = arrays[key].numpy()[shared]  # the final shared rows
-                members[f"{MEMBER_PREFIX}{i}.{key}"] = Array(own)
-        new_nodes = self.nodes.nodes_of(excluded)
-        report: dict[str, Any] = {"clients": sorted(excluded, key=client_order),
+        personal = self.personal_parts(grid, self.run.known_clients() - new_clients)
+        members = self.ensemble(arrays, personal)
+        report: dict[str, Any] = {"clients": sorted(new_clients, key=client_order),
                                   "ensemble_members": len(personal)}
-        for action, payload in (("fedfac.localtrain", downlink),
-                                ("fedfac.ensemble", ArrayRecord(members))):
-            batch = self.messenger.query(grid, {n: RecordDict(
-                {ARRAYS: payload, CONFIG: ConfigRecord({ACTION: action})}) for n in new_nodes})
-            valid = self.replies.valid(AFTER_TRAINING, action, batch,
-                                       ("accuracy", TASK_ACCURACY))
-            per_client = {r.client_id: float(r.metrics["accuracy"]) for r in valid}
-            name = action.split(".")[1]
-            report[name] = {"per_client": per_client,
-                            "accuracy_mean": float(np.mean(list(per_client.values())))
-                            if per_client else None,
-                            "accuracy_task_mean": float(np.mean(
-                                [float(r.metrics[TASK_ACCURACY]) for r in valid]))
-                            if valid else None}
-        if self.ledger.record(AFTER_TRAINING).dropped:
-            report["dropped"] = self.ledger.record(AFTER_TRAINING).dropped
+        for action, payload in (("fedfac.localtrain", self.downlink(0, None, arrays)),
+                                ("fedfac.ensemble", members)):
+            report[action.split(".")[1]] = self.new_client_accuracy(grid, action, payload,
+                                                                   new_clients)
+        report.update(self.run.traffic(AFTER_TRAINING))  # bytes both ways, dropped replies
         log(INFO, "fedfac new clients: LocalTrain %s, Ensemble %s",
             report["localtrain"]["accuracy_mean"], report["ensemble"]["accuracy_mean"])
         return {"new_clients": report}
 
-    def state_tables(self) -> dict[str, Any]:
+    def personal_parts(self, grid: Grid, clients: set[str]) -> list[ClientReply]:
+        """The existing clients' personal rows of the analysed layers (validated like any
+        reply; dropped ones are reported under ``new_clients.dropped``)."""
+        personal_spec = {k: self.wire.shared_spec[k] for k in self.wire.always_personal}
+        return self.run.query(grid, "fedfac.personal", clients, None, None,
+                              lambda _: personal_spec)
+
+    def ensemble(self, arrays: ArrayRecord, personal: list[ClientReply]) -> ArrayRecord:
+        """The final shared arrays, and one member per existing client: its personal rows
+        with the final shared rows in place."""
+        members = dict(arrays.items())
+        for i, reply in enumerate(personal):
+            for key, value in reply.arrays.items():
+                shared = self.split[self.wire.layer_of_key[key]]
+                own = value.numpy().copy()
+                own[shared] = arrays[key].numpy()[shared]
+                members[f"{MEMBER_PREFIX}{i}.{key}"] = Array(own)
+        return ArrayRecord(members)
+
+    def new_client_accuracy(self, grid: Grid, action: str, payload: ArrayRecord,
+                            new_clients: set[str]) -> dict[str, Any]:
+        """The new clients' accuracies after ``action`` (LocalTrain or Ensemble)."""
+        valid = self.run.query(grid, action, new_clients, payload, ("accuracy", TASK_ACCURACY))
+        per_client = {r.client_id: float(r.metrics["accuracy"]) for r in valid}
+        return {"per_client": per_client,
+                "accuracy_mean": float(np.mean(list(per_client.values())))
+                if per_client else None,
+                "accuracy_task_mean": float(np.mean(
+                    [float(r.metrics[TASK_ACCURACY]) for r in valid])) if valid else None}
+
+    def results_tables(self) -> dict[str, Any]:
         return {"fedfac": {"split": None if self.split is None else {
             layer: np.flatnonzero(mask).tolist() for layer, mask in self.split.items()}}}
-
-

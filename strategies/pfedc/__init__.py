@@ -9,10 +9,10 @@ head).
 from models.pfedc import with_branches
 from strategies.method import Method
 from strategies.pfedc.client import train_pfedc
-from strategies.pfedc.server import PFedCStrategy
+from strategies.pfedc.server import PFedCRule
 from strategies.pfedc.spec import HeldBranches, PFedCSettings, check
 
-METHOD = Method("pfedc", wire=HeldBranches, strategy=PFedCStrategy, local_train=train_pfedc,
+METHOD = Method("pfedc", wire=HeldBranches, rule=PFedCRule, local_train=train_pfedc,
                 settings=PFedCSettings,
                 transform=lambda model, settings: with_branches(
                     model, settings.method_settings.tasks),

@@ -20,10 +20,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from common.config import RunSettings
 from common.protocol import ClientReply
 from models.pfedc import branch_of_key
-from strategies.engine import Strategy
+from strategies.engine import MethodRule, RuleContext
 from strategies.pfedc.spec import HeldBranches, PFedCSettings
 
 
@@ -46,22 +45,21 @@ def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
     return averaged
 
 
-class PFedCStrategy(Strategy[PFedCSettings]):
+class PFedCRule(MethodRule[PFedCSettings]):
     checkpointed = ("task_weights", "branches")
     client_tables = ("task_weights", "branches")
     wire: HeldBranches
 
-    def __init__(self, settings: RunSettings[PFedCSettings], initial_arrays: ArrayRecord,
-                 wire: HeldBranches) -> None:
-        super().__init__(settings, initial_arrays, wire)
-        self.keys_of_task = wire.keys_of_task
+    def __init__(self, run: RuleContext[PFedCSettings]) -> None:
+        super().__init__(run)
+        self.keys_of_task = self.wire.keys_of_task
         self.task_weights: dict[str, list[float]] = {}
         self.branches: dict[str, dict[str, np.ndarray]] = {}
 
-    def aggregate_train(self, server_round: int, replies: list[ClientReply],
-                        arrays: ArrayRecord) -> ArrayRecord:
+    def merge_updates(self, server_round: int, replies: list[ClientReply],
+                      arrays: ArrayRecord) -> ArrayRecord:
         phi_keys = self.wire.phi_keys
-        phi = self.aggregate_keys(replies, phi_keys, arrays)
+        phi = self.run.aggregate(replies, phi_keys, arrays)
         for reply in replies:
             self.task_weights[reply.client_id] = self.wire.task_weights(reply.info)
             self.branches[reply.client_id] = {k: reply.arrays[k].numpy() for k in reply.arrays
@@ -84,5 +82,5 @@ class PFedCStrategy(Strategy[PFedCSettings]):
         return ArrayRecord({k: Array(own[k]) if k in own else arrays[k]
                             for k in self.wire.held_keys(list(arrays), weights)})
 
-    def state_tables(self) -> dict[str, Any]:
+    def results_tables(self) -> dict[str, Any]:
         return {"pfedc": {"task_weights": self.task_weights}}

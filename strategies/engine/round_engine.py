@@ -1,10 +1,11 @@
-"""``Strategy``: the round engine every method runs on (contracts §3-§5), FedAvg's rule by
-default.
+"""``RoundEngine``: the rounds every method runs (contracts §3-§5), holding the method's
+server rule (``rule.MethodRule``).
 
 A round, as ``train_round`` runs it (the ServerApp's loop, with checkpoints, is
 ``server_app/rounds.py``):
 
-1. **expire** client ids not heard from for ``identity.expire-rounds``; ``begin_round`` hook;
+1. **expire** client ids not heard from for ``identity.expire-rounds``; the rule's
+   ``start_round``;
 2. **admit and sample**: wait for ``min-nodes``, identify newcomers (``Admission``: identify
    queries, a rejoining client's evaluation), then draw a ``fraction-train`` share;
 3. **address**: one message per node with its own ``downlink`` (``Messenger``); with fused
@@ -13,12 +14,14 @@ A round, as ``train_round`` runs it (the ServerApp's loop, with checkpoints, is
 5. **validate** each reply against the wire spec (``ReplyCheck``; a reply that fails is
    dropped with its reason); split off the last round's evaluation (``PendingEvaluation``);
    stop the run if every reply failed the same way;
-6. **aggregate** (``aggregate_train`` hook) and record the round (``RoundLedger``: bytes,
+6. **merge** (the rule's ``merge_updates``) and record the round (``RoundLedger``: bytes,
    CPU, drops, loss);
 7. **draw** the clients that evaluate this round (fused evaluation: asked next round).
 
-The collaborators are built here and passed to each other; the hooks a method may override
-are ``hooks.MethodHooks``.
+The engine builds its collaborators and passes them to each other; the rule sees the run
+through a ``RuleContext``. What the ServerApp uses is the public face below the stages: the
+round's record, the server state for results.json, the checkpoint snapshot and its restore,
+and the message config.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from common.protocol import (
     ArraySpec,
     ClientReply,
 )
+from common.record import RoundRecord
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.admission import Admission
 from strategies.engine.evaluation import (
@@ -50,69 +54,48 @@ from strategies.engine.evaluation import (
 from strategies.engine.exchange import Messenger
 from strategies.engine.identity import NodeDirectory
 from strategies.engine.replies import ReplyCheck, stop_if_every_reply_failed
-from strategies.engine.robust import ExampleCounts, aggregate
-from strategies.wire import Masks, WireSpec
+from strategies.engine.robust import ExampleCounts
+from strategies.engine.rule import MethodRule, RuleContext
+from strategies.wire import WireSpec
 
 
-class Strategy(Generic[MethodSettingsT]):
-    """Example-weighted mean of a method's shared parameters, with per-node messages,
-    validation, client identity and accounting."""
+class RoundEngine(Generic[MethodSettingsT]):
+    """The rounds of a run, with per-node messages, validation, client identity and
+    accounting, merging what clients send by the method's ``rule``."""
 
-    checkpointed: tuple[str, ...] = ()
-    client_tables: tuple[str, ...] = ()
-
-    def __init__(self, settings: RunSettings[MethodSettingsT], initial_arrays: ArrayRecord,
-                 wire: WireSpec[MethodSettingsT]) -> None:
+    def __init__(self, settings: RunSettings[MethodSettingsT], wire: WireSpec[MethodSettingsT],
+                 rule: Callable[[RuleContext[MethodSettingsT]], MethodRule[MethodSettingsT]]
+                 = MethodRule) -> None:
         self.settings = settings
         self.wire = wire
-        self.global_arrays = initial_arrays  # the shared arrays the current round started from
         self.ledger = RoundLedger()
         self.nodes = NodeDirectory(settings)
         self.example_counts = ExampleCounts()
         self.replies = ReplyCheck(settings, self.ledger, self.nodes, self.example_counts)
-        self.messenger = Messenger(settings, self.ledger, self.downlink)
+        # the rule is built last (it needs the context), and reached through these two
+        self.messenger = Messenger(settings, self.ledger,
+                                   lambda *args: self.rule.downlink(*args))
         self.evaluation = PendingEvaluation(settings, self.ledger, self.replies)
         self.admission = Admission(settings, self.nodes, self.messenger, self.replies,
-                                   self.ledger, self.evaluation, self.on_identified)
+                                   self.ledger, self.evaluation,
+                                   lambda *args: self.rule.client_identified(*args))
+        self.rule = rule(RuleContext(settings, wire, self.ledger, self.nodes, self.replies,
+                                     self.messenger))
 
-    # ------------------------------------------------------------------ hooks (hooks.py)
-    def begin_round(self, server_round: int) -> None:
-        return None
+    # ------------------------------------------------------------------ public face
+    def round_record(self, server_round: int) -> RoundRecord:
+        """What the engine recorded of round ``server_round`` (empty if nothing)."""
+        return self.ledger.history.get(server_round, RoundRecord())
 
-    def on_identified(self, client_id: str, info: dict[str, Any]) -> None:
-        return None
+    def server_state(self) -> dict[str, Any]:
+        """The server's per-client tables for results.json (``server_state``)."""
+        return {"node_to_client": {str(k): v for k, v in self.nodes.node_to_client.items()},
+                **self.rule.results_tables()}
 
-    def downlink(self, server_round: int, client_id: str | None,
-                 arrays: ArrayRecord) -> ArrayRecord:
-        return arrays
-
-    def uplink_masks(self) -> Masks | None:
-        return None
-
-    def aggregate_train(self, server_round: int, replies: list[ClientReply],
-                        arrays: ArrayRecord) -> ArrayRecord:
-        return self.aggregate_keys(replies, list(arrays.keys()), arrays)
-
-    def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
-        return None
-
-    def client_tables_changed(self) -> None:
-        return None
-
-    def state_tables(self) -> dict[str, Any]:
-        return {}
-
-    # ------------------------------------------------------------------ for the hooks
-    def aggregate_keys(self, replies: list[ClientReply], keys: list[str],
-                       reference: ArrayRecord, uniform: bool = False) -> ArrayRecord:
-        """``keys`` of the replies' arrays by the run's ``aggregation.*`` rule (``reference``:
-        the arrays the round started from, for update clipping; ``uniform``: the mean counts
-        every client once instead of by examples)."""
-        return aggregate(replies, keys, reference, self.settings, uniform)
-
-    def report(self, server_round: int, name: str, value: Any) -> None:
-        """A per-round value of the method, shown in that round's entry of results.json."""
-        self.ledger.report(server_round, name, value)
+    def set_message_config(self, config: dict[str, Any]) -> None:
+        """Added to every train and evaluate message's config from now on (a resumed run's
+        lineage: ``server_app/app.py``)."""
+        self.messenger.message_config = dict(config)
 
     # ------------------------------------------------------------------ the run
     def identify(self, grid: Grid, first_round: int = 1) -> None:
@@ -128,7 +111,7 @@ class Strategy(Generic[MethodSettingsT]):
         previous = server_round - 1
         with self.ledger.server_cpu(server_round):
             self.forget_expired(server_round)
-            self.begin_round(server_round)
+            self.rule.start_round(server_round)
             trainers = self.admit_and_sample(grid, server_round, arrays,
                                              self.settings.fraction_train, MessageType.TRAIN)
             evaluators = self.evaluation.take() or {}
@@ -138,7 +121,6 @@ class Strategy(Generic[MethodSettingsT]):
             messages += self.messenger.address(
                 previous, {n: c for n, c in evaluators.items() if n not in trainers}, arrays,
                 MessageType.EVALUATE, previous)
-            self.global_arrays = arrays
         batch = self.messenger.send(grid, messages)
         with self.ledger.server_cpu(server_round):
             parts = batch.by_type()
@@ -150,7 +132,7 @@ class Strategy(Generic[MethodSettingsT]):
                                           parts[MessageType.EVALUATE], set(evaluators))
             stop_if_every_reply_failed(f"training of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
-            updated = self.aggregate(server_round, valid)
+            updated = self.merge(server_round, valid, arrays)
         if self.settings.fused_evaluation:
             with self.ledger.server_cpu(server_round):
                 self.evaluation.draw(self.admit_and_sample(
@@ -184,13 +166,13 @@ class Strategy(Generic[MethodSettingsT]):
         expired = self.nodes.expire(server_round)
         for client_id in expired:
             self.evaluation.per_client_accuracy.pop(client_id, None)
-            for name in self.client_tables:
-                getattr(self, name).pop(client_id, None)
+            for name in self.rule.client_tables:
+                getattr(self.rule, name).pop(client_id, None)
             self.example_counts.pinned.pop(client_id, None)
             log(INFO, "round %d: client id %s expired (not heard from for %d rounds)",
                 server_round, client_id, self.settings.expire_rounds)
         if expired:
-            self.client_tables_changed()
+            self.rule.tables_changed()
 
     def admit_and_sample(self, grid: Grid, server_round: int, arrays: ArrayRecord,
                          fraction: float, stage: str) -> Drawn:
@@ -207,36 +189,48 @@ class Strategy(Generic[MethodSettingsT]):
         return {n: self.nodes.client_of(n) for n in node_ids}
 
     def uplink_expected(self) -> Callable[[ClientReply], ArraySpec]:
-        """What a train reply must carry: the wire spec's uplink, cut by this round's masks."""
-        masks = self.uplink_masks()
+        """What a train reply must carry: the wire spec's uplink, cut by this round's rows."""
+        masks = self.rule.uplink_rows()
         return lambda reply: self.wire.uplink_spec(reply.info, masks)
 
-    def aggregate(self, server_round: int, valid: list[ClientReply]) -> ArrayRecord | None:
-        """The ``aggregate_train`` hook over the valid replies, and the round's train loss."""
+    def merge(self, server_round: int, valid: list[ClientReply], arrays: ArrayRecord
+              ) -> ArrayRecord | None:
+        """The rule's ``merge_updates`` over the valid replies and the arrays the round
+        started from, and the round's train loss."""
         if not valid:
             log(WARNING, "round %d: no valid train reply; the shared model is unchanged",
                 server_round)
             return None
-        updated = self.aggregate_train(server_round, valid, self.global_arrays)
+        updated = self.rule.merge_updates(server_round, valid, arrays)
         total = sum(r.num_examples for r in valid)
         loss = sum(float(r.metrics["train-loss"]) * r.num_examples for r in valid) / total
         self.ledger.record(server_round).train = {"loss": loss, "num_clients": len(valid)}
         return updated
 
-    # ------------------------------------------------------------------ checkpoint
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything this strategy needs to continue a run: every client's latest accuracy,
-        the method's ``checkpointed`` attributes, when each client id was last heard from and
-        the pinned example counts."""
-        return {"per_client_accuracy": self.evaluation.per_client_accuracy,
-                **{name: getattr(self, name) for name in self.checkpointed},
-                "last_seen": self.nodes.last_seen,
-                "example_counts": self.example_counts.pinned}
+    def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
+        """The rule's work after the last round; what it returns goes into results.json."""
+        return self.rule.after_last_round(grid, arrays)
 
-    def restore_state(self, state: dict[str, Any]) -> None:
+    # ------------------------------------------------------------------ checkpoint
+    def snapshot(self, server_round: int) -> dict[str, Any]:
+        """Everything the engine needs to continue a run after ``server_round``: every
+        client's latest accuracy, the rule's ``checkpointed`` tables, when each client id
+        was last heard from, the pinned example counts (``strategy``), and the evaluation
+        drawn and not yet asked (``pending_evaluation``)."""
+        return {"strategy": {
+                    "per_client_accuracy": self.evaluation.per_client_accuracy,
+                    **{name: getattr(self.rule, name) for name in self.rule.checkpointed},
+                    "last_seen": self.nodes.last_seen,
+                    "example_counts": self.example_counts.pinned},
+                "pending_evaluation": self.evaluation.state(server_round)}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Continue from a ``snapshot`` (read back from a checkpoint)."""
+        state = snapshot["strategy"]
         self.evaluation.per_client_accuracy = dict(state["per_client_accuracy"])
-        for name in self.checkpointed:
-            setattr(self, name, state[name])
+        for name in self.rule.checkpointed:
+            setattr(self.rule, name, state[name])
         self.nodes.last_seen = dict(state.get("last_seen", {}))
         self.example_counts.pinned = dict(state.get("example_counts", {}))
-        self.client_tables_changed()
+        self.rule.tables_changed()
+        self.evaluation.restore(snapshot.get("pending_evaluation"))
