@@ -1,9 +1,10 @@
 """The app's project file, read by the tools that run the app from outside Flower (launchers,
-benchmarks, tests): its run-config defaults and the packages of its bundle. Not part of the
-app: it stays home."""
+benchmarks, tests): its run-config defaults, the packages of its bundle and a copy of what
+the bundle holds. Not part of the app: it stays home."""
 
 from __future__ import annotations
 
+import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -27,3 +28,23 @@ def app_packages(root: Path = APP_ROOT) -> list[str]:
 
 def _pyproject(root: Path) -> dict[str, Any]:
     return tomllib.loads((root / "pyproject.toml").read_text())
+
+
+def bundle_files(app_dir: str | Path, into: Path) -> Path:
+    """A copy, in ``into``, of what ``flwr run APP`` bundles: ``pyproject.toml`` and the files
+    its ``fab-include`` patterns match; ``app_dir`` itself when it declares none.
+
+    Flower 1.41's ``flwr run`` walks every file under the app folder before it filters them,
+    ``.venv`` included: 3.7 s of a 25 s demo run on this checkout, for a 0.3 MB bundle. The
+    bundle built from the copy is the same."""
+    app_dir = Path(app_dir)
+    patterns = tomllib.loads((app_dir / "pyproject.toml").read_text()).get("tool", {}).get(
+        "flwr", {}).get("app", {}).get("fab-include")
+    if not patterns:
+        return app_dir
+    for source in {app_dir / "pyproject.toml"} | {
+            path for pattern in patterns for path in app_dir.glob(pattern) if path.is_file()}:
+        target = into / source.relative_to(app_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+    return into

@@ -11,9 +11,8 @@ with every process it started, on exit. A run is started in-process with the req
     with LocalFederation() as federation:
         completed = federation.run(".", {"method": "fedper"}, num_supernodes=4)
 
-``ray_address`` (``--ray-address``) attaches the simulation's Ray backend to a Ray cluster that
-is already running instead of letting it start a private Ray instance: the SuperLink, and the
-``flwr-simulation`` process it starts, get ``RAY_ADDRESS`` (docs/scaling.md).
+``ray_address`` (``--ray-address``) attaches the simulation to a running Ray cluster instead of
+a private Ray instance: the SuperLink and its ``flwr-simulation`` get ``RAY_ADDRESS``.
 
 Command line (used by scripts/demo.sh):  python -m launch.federation [--supernodes N]
 [--cpus-per-client C] [--gpus-per-client G] [--ray-address HOST:PORT] [key=value ...]
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -41,17 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
-from launch.app_project import app_defaults
+from launch.app_project import app_defaults, bundle_files
+from launch.control_api import finished, list_runs, run_record, start_run
 from launch.forkserver import ForkServer
 from launch.processes import free_port, stop_process_groups
 from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
+from launch.run_output import RAY_GPU_TIP, RESULTS_WRITTEN, is_noise, save_run_log
 
-# The ServerApp's last line of a completed run (server_app/results.py): the run's work is done
-RESULTS_WRITTEN = "[final] wrote to "
-# The ServerApp's first line names the folder the run writes to (server_app/app.py)
-RESULTS_FOLDER = re.compile(r"\[start\] .*, results in (.+?)\s*$")
-RUN_LOG = "flower.log"  # the run's whole stream, noise included, beside its results
 SUPEREXEC_POLL_SECONDS = 0.1
 STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
 # after the run has finished, for its last lines: the SuperLink ends the stream at its next
@@ -59,52 +54,8 @@ STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
 STREAM_GRACE_SECONDS = 10.0
 # Flower's words before the ServerApp's exception in a failed run's status details
 FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
-# Lines Flower and Ray print for every simulation that a user cannot act on: left out of the
-# echoed stream, kept in ``FlowerRun.output`` (and the demo's flower.log). The federation's
-# size is set per run; the app is installed into a private FLWR_HOME per run; the actors'
-# "Manually terminating" warning is Flower's normal shutdown of its Ray actors; Ray's tip
-# about its future GPU default is filtered where it is raised (``LocalFederation.env``).
-FLOWER_NOISE = ("default simulated SuperNodes changed from 10 to 2",
-                "To change federation size, use the following command",
-                "flwr federation simulation-config @none/default <superlink>",
-                "Successfully installed pflower to ",
-                "Manually terminating ClientAppActor")
-# Flower's empty log line at the end of a simulation
-EMPTY_LOG_LINE = re.compile(r"^(\x1b\[\d+m)?INFO (\x1b\[0m)?:\s*$")
-# Ray's FutureWarning, raised in flwr-simulation's ray.init() on every run, about a default
-# that changes in a later Ray. Its only off switch (RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0)
-# would take the behaviour it announces now: clients given no GPU would see every GPU.
-# Filtered by its words, module and category only.
-RAY_GPU_TIP = "ignore:Tip:FutureWarning:ray._private.worker"
-
-
-def is_noise(line: str) -> bool:
-    """A line of a run's stream that the echo leaves out (``FLOWER_NOISE``)."""
-    return any(noise in line for noise in FLOWER_NOISE) or bool(EMPTY_LOG_LINE.match(line))
-
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def bundle_files(app_dir: str | Path, into: Path) -> Path:
-    """A copy, in ``into``, of what ``flwr run APP`` bundles: ``pyproject.toml`` and the files
-    its ``fab-include`` patterns match; ``app_dir`` itself when it declares none.
-
-    Flower 1.41's ``flwr run`` walks every file under the app folder before it filters them,
-    ``.venv`` included: 3.7 s of a 25 s demo run on this checkout, for a 0.3 MB bundle. The
-    bundle built from the copy is the same."""
-    app_dir = Path(app_dir)
-    patterns = tomllib.loads((app_dir / "pyproject.toml").read_text()).get("tool", {}).get(
-        "flwr", {}).get("app", {}).get("fab-include")
-    if not patterns:
-        return app_dir
-    for source in {app_dir / "pyproject.toml"} | {
-            path for pattern in patterns for path in app_dir.glob(pattern) if path.is_file()}:
-        target = into / source.relative_to(app_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target)
-    return into
 
 
 @dataclass
@@ -252,7 +203,7 @@ class LocalFederation:
         staged = bundle_files(app_dir, self.home / f"app-{time.monotonic_ns()}")
         try:
             with self.control_client() as control:
-                run_id = str(_start_run(control, staged, run_config or {}, federation))
+                run_id = str(start_run(control, staged, run_config or {}, federation))
         except (ValueError, OSError, httpx.HTTPError) as error:  # what `flwr run` reports
             return FlowerRun(1, f"flwr run: {error}\n", None, "")
         finally:
@@ -286,14 +237,14 @@ class LocalFederation:
                 reader.join(STATUS_POLL_SECONDS)
                 # a stream that broke off (a dropped connection) does not end the wait: the
                 # SuperLink's record of the run's end does
-                if reader.is_alive() and _finished(control, run_id):
+                if reader.is_alive() and finished(control, run_id):
                     reader.join(STREAM_GRACE_SECONDS)  # the last lines on their way
                     break
             while (not reader.is_alive() and not stream_ended.is_set()
                    and time.monotonic() < deadline and self._superlink_alive()
-                   and not _finished(control, run_id)):
+                   and not finished(control, run_id)):
                 time.sleep(STATUS_POLL_SECONDS)
-            run, unread = (_run_record(control, run_id) if self._superlink_alive()
+            run, unread = (run_record(control, run_id) if self._superlink_alive()
                            else (None, ""))
             if run is None and self.process is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -356,7 +307,7 @@ class LocalFederation:
         ``flwr ls --format json``'s entries, each a dict with ``run-id``, ``status`` (e.g.
         ``finished:completed``) and ``status-details``."""
         with self.control_client() as control:
-            return _list_runs(control, run_id)
+            return list_runs(control, run_id)
 
     def stop(self, run_id: str) -> None:
         """What ``flwr stop RUN_ID`` asks: the SuperLink stops the run's ServerApp."""
@@ -364,73 +315,6 @@ class LocalFederation:
 
         with self.control_client() as control:
             control.StopRun(StopRunRequest(run_id=int(run_id)))
-
-
-def _list_runs(control: Any, run_id: str | None) -> list[dict[str, str]]:
-    """``runs`` through an open Control API client."""
-    import httpx
-    from flwr.cli.run_utils import format_runs
-    from flwr.common.serde import run_from_proto
-    from flwr.proto.control_pb2 import ListRunsRequest
-
-    request = ListRunsRequest(run_id=int(run_id)) if run_id is not None else ListRunsRequest()
-    try:
-        listed = control.ListRuns(request)
-    except httpx.HTTPStatusError as error:
-        if error.response.status_code == 404:  # the SuperLink does not know run_id
-            return []
-        raise
-    rows = format_runs([run_from_proto(run) for run in listed.run_dict.values()], listed.now)
-    return [{"run-id": str(row.run_id), "status": row.status_text,
-             "status-details": row.details} for row in rows]
-
-
-def _start_run(control: Any, app: Path, run_config: dict[str, Any],
-               federation: dict[str, Any]) -> int:
-    """``flwr run``'s request (``flwr.cli.run``): the app's FAB, the run-config overrides and
-    the simulation's config; the run's id."""
-    from flwr.cli.build import build_fab_from_disk
-    from flwr.common.serde import fab_to_proto, user_config_to_proto
-    from flwr.proto.control_pb2 import StartRunRequest
-    from flwr.supercore.fab import Fab
-    from flwr.supercore.utils import simulation_config_from_json
-
-    fab_bytes = build_fab_from_disk(app)
-    fab = Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})
-    simulation = (simulation_config_from_json({key.replace("-", "_"): value
-                                               for key, value in federation.items()})
-                  if federation else None)
-    response = control.StartRun(StartRunRequest(
-        fab=fab_to_proto(fab), override_config=user_config_to_proto(run_config),
-        federation="", override_federation_config=simulation))
-    if not response.HasField("run_id"):
-        raise ValueError("the SuperLink did not start the run")
-    return response.run_id
-
-
-def _run_record(control: Any, run_id: str, attempts: int = 3
-                ) -> tuple[dict[str, str] | None, str]:
-    """The run's record (``runs``), asked up to ``attempts`` times, and why it could not be
-    read (None, the reason: the SuperLink busy or unreachable each time, or no such run)."""
-    import httpx
-
-    reason = ""
-    for attempt in range(attempts):
-        try:
-            runs = _list_runs(control, run_id)
-            return (runs[0], "") if runs else (None, f"the SuperLink has no run {run_id}")
-        except (httpx.HTTPError, OSError) as error:
-            reason = str(error) or type(error).__name__
-            if attempt + 1 < attempts:
-                time.sleep(attempt + 1)
-    return None, reason
-
-
-def _finished(control: Any, run_id: str) -> bool:
-    """Whether the SuperLink has recorded the run's end; a question it cannot answer now
-    (busy, a dropped connection) is asked again at the next poll."""
-    run, _ = _run_record(control, run_id, attempts=1)
-    return run is not None and run["status"].startswith("finished")
 
 
 @contextlib.contextmanager
@@ -480,21 +364,6 @@ def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServe
         yield federation
 
 
-def save_run_log(run: FlowerRun) -> Path | None:
-    """The run's whole stream, the lines the echo left out included, written beside its
-    results (the folder its ServerApp's first line names); None when it never said."""
-    found = next((m for line in run.output.splitlines() if (m := RESULTS_FOLDER.search(line))),
-                 None)
-    if found is None:
-        return None
-    path = Path(found.group(1)) / RUN_LOG
-    try:
-        path.write_text(run.output)
-    except OSError:
-        return None
-    return path
-
-
 def main() -> None:
     """The demo's launcher: the overrides read and checked (one line and exit 2 on a
     mistake, before anything starts), the run, then its outcome in one line: exit 0 only
@@ -520,7 +389,7 @@ def main() -> None:
         run = federation.flwr_run(args.app, run_config, federation.federation_config(
             args.supernodes, args.cpus_per_client, args.gpus_per_client), echo=True)
     outcome = run.status or "not started"
-    saved = save_run_log(run)
+    saved = save_run_log(run.output)
     print(f"run {run.run_id}: {outcome}" + (f": {run.reason}" if run.reason else "")
           + (f" (full log: {saved})" if saved else ""),
           file=sys.stdout if run.ok else sys.stderr)

@@ -1,4 +1,4 @@
-"""The launchers hand ``flwr run`` a copy of what it bundles (``launch.federation.bundle_files``)
+"""The launchers hand ``flwr run`` a copy of what it bundles (``launch.app_project.bundle_files``)
 instead of the checkout, whose ``.venv`` Flower 1.41 walks file by file before filtering: the
 bundle built from the copy is the one built from the checkout, byte for byte."""
 
@@ -8,7 +8,7 @@ import hashlib
 
 from flwr.cli.build import build_fab_from_disk
 
-from launch.federation import bundle_files
+from launch.app_project import bundle_files
 from tests.conftest import ROOT, copy_app
 
 

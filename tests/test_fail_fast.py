@@ -233,7 +233,7 @@ def test_a_plain_flwr_run_shows_the_apps_one_line_before_flowers_traceback(feder
     """What docs/configuration.md says a plain ``flwr run`` user sees (the real CLI, on a
     private SuperLink): an undeclared key is Flower's refusal, exit 1; a value the app refuses
     is the app's one line, first, then Flower's traceback, exit 0."""
-    from launch.federation import bundle_files
+    from launch.app_project import bundle_files
 
     app = bundle_files(ROOT, tmp_path / "app")  # what `flwr run .` bundles, without .venv
 
