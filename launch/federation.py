@@ -390,9 +390,11 @@ def main() -> None:
             args.supernodes, args.cpus_per_client, args.gpus_per_client), echo=True)
     outcome = run.status or "not started"
     saved = save_run_log(run.output)
-    print(f"run {run.run_id}: {outcome}" + (f": {run.reason}" if run.reason else "")
-          + (f" (full log: {saved})" if saved else ""),
-          file=sys.stdout if run.ok else sys.stderr)
+    stream = sys.stdout if run.ok else sys.stderr
+    if saved:  # the whole stream, the lines left out of the terminal included
+        print(f"full log: {saved}", file=stream)
+    print(f"run {run.run_id}: {outcome}" + (f": {run.reason}" if run.reason else ""),
+          file=stream)
     sys.exit(0 if run.ok else 1)
 
 
