@@ -71,7 +71,7 @@ class RoundLedger:
             record.bytes_down_evaluate += down
 
     def uplink(self, server_round: int, reply: Message) -> None:
-        """Bytes of the arrays a train reply carries (counted before validation: they
+        """Bytes of the arrays a train or query reply carries (counted before validation: they
         crossed the wire either way)."""
         if not reply.has_error():
             self.record(server_round).bytes_up += sum(

@@ -152,11 +152,15 @@ class Messenger:
               server_round: int | None = None) -> Exchange:
         """One ``query`` message per node (``contents``: node -> content with an ``action``
         in its ``config`` record); the replies that arrived in time. With ``server_round``,
-        the arrays' bytes go into that round's downlink count (identify queries carry
+        the arrays' bytes both ways go into that round's record (identify queries carry
         none)."""
         messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY)
                     for node, content in contents.items()]
         if server_round is not None:
             self.ledger.downlink(server_round, messages)
-        return exchange(grid, messages, self.settings.round_timeout,
-                        self.settings.max_in_flight)
+        batch = exchange(grid, messages, self.settings.round_timeout,
+                         self.settings.max_in_flight)
+        if server_round is not None:
+            for _, reply in batch.replies:
+                self.ledger.uplink(server_round, reply)
+        return batch

@@ -99,9 +99,7 @@ class RuleContext(Generic[MethodSettingsT]):
             sent = arrays(self._nodes.client_of(node)) if callable(arrays) else arrays
             contents[node] = RecordDict({CONFIG: ConfigRecord({ACTION: action}),
                                          **({ARRAYS: sent} if sent is not None else {})})
-        batch = self._messenger.query(grid, contents, server_round)
-        for _, reply in batch.replies:
-            self._ledger.uplink(server_round, reply)
+        batch = self._messenger.query(grid, contents, server_round)  # bytes counted there
         return self._replies.valid(server_round, action, batch, metric_keys, expected)
 
     def traffic(self, server_round: int = AFTER_TRAINING) -> dict[str, Any]:
