@@ -110,19 +110,25 @@ def train(msg: Message, context: Context) -> Message:
                       EVAL_CPU: time.process_time() - eval_started}
         started += evaluation[EVAL_CPU]  # cpu-seconds: the training part only
         phases.lap("evaluate")
+    identity = client.identity()
+    # under DP, what it would send untrained: its update is measured from there
+    start = client.shared_arrays(model, received, identity) if client.settings.dp_mode else None
     torch.manual_seed(derived_seed(client.settings.seed, server_round, client.partition_id,
                                    Stream.TRAIN))
     loss = client.method.local_train(LocalTraining(
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
     phases.lap("train")
-    identity = client.identity()
     shared = client.shared_arrays(model, received, identity)
+    privacy = {}
+    if start is not None:
+        shared, privacy = client.privatized(shared, start, msg.content[CONFIG])
     client.keep_personal(model, received, shared, server_round)
     return Message(RecordDict({
         ARRAYS: shared,
         METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train),
-                               "train-loss": float(loss), **evaluation, **phases.metrics(),
+                               "train-loss": float(loss), **evaluation, **privacy,
+                               **phases.metrics(),
                                "cpu-seconds": time.process_time() - started}),
         CLIENT: identity,
     }), reply_to=msg)

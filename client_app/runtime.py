@@ -22,6 +22,8 @@ from common.durable import write_atomic
 from common.protocol import (
     CLIENT_ID,
     CLIENT_ID_PATTERN,
+    DP_CLIP_NORM,
+    DP_CLIPPED,
     NUM_PARTITIONS,
     PARTITION_ID,
     identity_record,
@@ -31,6 +33,7 @@ from common.seeds import Stream, derived_seed
 from fldata import ClientData, load_client_data
 from fldata.cache import default_cache_dir
 from strategies.method import Method
+from strategies.privacy import privatize_uplink, secret_rng
 from strategies.registry import REGISTRY, load_settings
 from strategies.training import Evaluation, LocalTraining, evaluate_model
 from strategies.wire import WireSpec
@@ -284,3 +287,15 @@ class Client:
         return ArrayRecord(self.wire.build_uplink(
             model.state_dict(), received.to_torch_state_dict(),
             self.identity() if identity is None else identity))
+
+    def privatized(self, uplink: ArrayRecord, start: ArrayRecord, config: ConfigRecord
+                   ) -> tuple[ArrayRecord, dict[str, float]]:
+        """The uplink under the run's ``dp.mode`` (``strategies/privacy.py``): the update over
+        ``start`` clipped to the message's clip norm (``local``: and noised here), and,
+        ``central``, the metric saying whether it was clipped (the trusted server's adaptive
+        clipping and report use it; under ``local`` it would leave without noise)."""
+        settings = self.settings
+        clip_norm = float(config.get(DP_CLIP_NORM, settings.dp_clip_norm))
+        sent, clipped = privatize_uplink(uplink, start, settings.dp_mode, clip_norm,
+                                         settings.dp_noise_multiplier, secret_rng())
+        return sent, ({DP_CLIPPED: float(clipped)} if settings.dp_mode == "central" else {})

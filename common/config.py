@@ -26,6 +26,7 @@ FEATURE_SHIFTS = ("none", "rotate")  # fldata/partition.py: feature_shift
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N"
 TRACKERS = ("tensorboard", "mlflow")  # server_app/tracking.py
+DP_MODES = ("", "central", "local")  # docs/privacy.md
 
 
 class ConfigError(ValueError):
@@ -143,6 +144,23 @@ def leaves_shared_epochs(name: str, epochs: int, local_epochs: int) -> None:
                           f"to the shared part; allowed: [0, {max(local_epochs - 1, 0)}]")
 
 
+def check_privacy_bound(settings: RunSettings) -> None:
+    """The general keys that would break differential privacy's sensitivity bound, refused
+    in one line naming them (a method's own keys: its ``Method.check``)."""
+    mode = settings.dp_mode
+    if mode == "central" and settings.aggregation != "mean":
+        raise ConfigError(f"aggregation.rule={settings.aggregation!r} with dp.mode='central': "
+                          "the noise is calibrated to a sum of clipped updates; use "
+                          "aggregation.rule='mean' (or dp.mode='local')")
+    if mode == "central" and settings.clip_norm > 0:
+        raise ConfigError("aggregation.clip-norm with dp.mode='central': dp.clip-norm "
+                          "clips the updates; set aggregation.clip-norm=0")
+    if mode == "local" and settings.dp_adaptive_clipping:
+        raise ConfigError("dp.adaptive-clipping with dp.mode='local': each client's "
+                          "clipped-or-not bit would leave it without noise; use "
+                          "dp.mode='central' or a fixed dp.clip-norm")
+
+
 @dataclass(frozen=True)
 class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     """The keys every method uses, shared by the ServerApp and the ClientApp;
@@ -197,6 +215,16 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     trim_fraction: float = key("aggregation.trim-fraction", low=0, high=0.45)
     clip_norm: float = key("aggregation.clip-norm", low=0)
     max_num_examples: int = key("aggregation.max-num-examples", low=1)
+    # differential privacy of what leaves a client (docs/privacy.md)
+    dp_mode: str = key("dp.mode", choices=DP_MODES)
+    dp_clip_norm: float = key("dp.clip-norm", low=0, low_open=True)
+    dp_noise_multiplier: float = key("dp.noise-multiplier", low=0, low_open=True)
+    dp_delta: float = key("dp.delta", low=0, high=0.1)
+    dp_target_epsilon: float = key("dp.target-epsilon", low=0)
+    dp_adaptive_clipping: bool = key("dp.adaptive-clipping")
+    dp_target_quantile: float = key("dp.target-quantile", low=0, high=1)
+    dp_clip_lr: float = key("dp.clip-lr", low=0, low_open=True)
+    dp_clipped_count_stddev: float = key("dp.clipped-count-stddev", low=0)
     method_settings: MethodSettingsT = field(default=None, compare=False)  # type: ignore[assignment]
     raw: dict[str, Any] = field(repr=False, default_factory=dict, compare=False)
 
@@ -216,6 +244,7 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
                 (device.startswith("cuda:") and device[5:].isdigit())):
             raise ConfigError(f"device: unknown value {device!r}; allowed: {DEVICES_HELP}")
         settings.trackers()
+        check_privacy_bound(settings)
         return settings
 
     def trackers(self) -> list[str]:

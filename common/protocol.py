@@ -42,6 +42,10 @@ EVALUATE_METRICS = ("accuracy", "loss")
 # of the share of that class's examples classified right: ``strategies/training.py:
 # accuracy_scores``); optional in a reply like ``cpu-seconds``, range-checked when present
 TASK_ACCURACY = "task-accuracy"
+# differential privacy (strategies/privacy.py): a train message's clip norm, and a train
+# reply's metric (central DP only) saying whether its update was clipped
+DP_CLIP_NORM = "dp-clip-norm"
+DP_CLIPPED = "dp-clipped"
 
 ArraySpec = dict[str, tuple[tuple[int, ...], str]]
 """key -> (shape, dtype) of every array a message carries."""
@@ -73,7 +77,8 @@ EVALUATE_FIRST = "evaluate-first"
 METRIC_RANGES: dict[str, tuple[float, float]] = {
     "accuracy": (0.0, 1.0), "loss": (0.0, math.inf), "train-loss": (0.0, math.inf),
     "cpu-seconds": (0.0, math.inf), EVAL_ACCURACY: (0.0, 1.0), EVAL_LOSS: (0.0, math.inf),
-    EVAL_CPU: (0.0, math.inf), TASK_ACCURACY: (0.0, 1.0), EVAL_TASK_ACCURACY: (0.0, 1.0)}
+    EVAL_CPU: (0.0, math.inf), TASK_ACCURACY: (0.0, 1.0), EVAL_TASK_ACCURACY: (0.0, 1.0),
+    DP_CLIPPED: (0.0, 1.0)}
 """Allowed ranges of the metrics the server reads; any other metric must be a finite number."""
 
 

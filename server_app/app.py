@@ -66,11 +66,11 @@ def main(grid: Grid, context: Context) -> None:
                                    **({"resume-runs": earlier} if earlier else {})})
     try:
         engine.identify(grid, first_round)
-        arrays = run_rounds(grid, engine, recorder, arrays, first_round,
-                            settings.num_server_rounds, run_ids)
+        arrays, stopped = run_rounds(grid, engine, recorder, arrays, first_round,
+                                     settings.num_server_rounds, run_ids)
         if (missing := recorder.missing_evaluation()) is not None:
-            raise RunFailedError(missing, settings.num_server_rounds)
-        recorder.finish(engine.after_training(grid, arrays))
+            raise RunFailedError(missing, recorder.last_round)
+        recorder.finish(engine.after_training(grid, arrays), reason=stopped)
     except RunFailedError as failure:
         # results.json says so, and the exception marks the run failed in Flower (its
         # status details carry the reason: the launchers print them)

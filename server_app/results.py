@@ -78,11 +78,11 @@ class ResultsRecorder:
         # one line a round: its personalized accuracy (weighted by test examples, the
         # clients' mean and lowest, the mean task accuracy), bytes and time
         log(INFO, "[progress] round %3d | acc weighted %s mean %s min %s task %s (%s clients) "
-            "| up %.3f MB down %.3f MB | %.1f s",
+            "| up %.3f MB down %.3f MB | %.1f s%s",
             entry["round"], _fmt(acc.get("accuracy_weighted")), _fmt(acc.get("accuracy_mean")),
             _fmt(acc.get("accuracy_min")), _fmt(acc.get("accuracy_task_mean")),
             acc.get("num_clients", 0), entry.get("bytes_up", 0) / MB,
-            entry.get("bytes_down", 0) / MB, entry["seconds"])
+            entry.get("bytes_down", 0) / MB, entry["seconds"], _privacy(entry.get("privacy")))
 
     def final(self) -> dict[str, Any]:
         evaluated = [r["eval"] for r in self.rounds if "eval" in r]
@@ -96,6 +96,9 @@ class ResultsRecorder:
             "bytes_up_total": sum(r.get("bytes_up", 0) for r in self.rounds),
             "bytes_down_total": sum(r.get("bytes_down", 0) for r in self.rounds),
             "seconds_total": sum(r["seconds"] for r in self.rounds),
+            # a DP run: the budget spent by the end (the last round's entry)
+            **({"privacy": spent[-1]} if (spent := [r["privacy"] for r in self.rounds
+                                                     if "privacy" in r]) else {}),
         }
 
     def payload(self) -> dict[str, Any]:
@@ -135,11 +138,12 @@ class ResultsRecorder:
         self.tracking.close(self.payload())
         log(ERROR, "[failed] %s", reason)
 
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
+    def finish(self, extra: dict[str, Any] | None = None, reason: str = "") -> None:
         """Final write (with ``extra``: the method's after-training results, and the
-        status: completed), plot, and the per-client table in the terminal."""
+        status: completed, with ``reason`` when training stopped early), plot, and the
+        per-client table in the terminal."""
         self.extra.update(extra or {})
-        self.status = "completed"
+        self.status, self.reason = "completed", reason
         self.write()
         written = [self.path.name]
         if self.settings.plot and self.rounds:
@@ -150,12 +154,14 @@ class ResultsRecorder:
         self.tracking.close(self.payload())
         final = self.final()
         log(INFO, "[final] %s: accuracy weighted %s mean %s std %s min %s, task mean %s | "
-            "%.2f MB up, %.2f MB down | %.1f s", self.settings.method,
+            "%.2f MB up, %.2f MB down | %.1f s%s", self.settings.method,
             _fmt(final["accuracy_weighted"]), _fmt(final["accuracy_mean"]),
             _fmt(final["accuracy_std"]), _fmt(final["accuracy_min"]),
             _fmt(final["accuracy_task_mean"]),
             final["bytes_up_total"] / MB, final["bytes_down_total"] / MB,
-            final["seconds_total"])
+            final["seconds_total"], _privacy(final.get("privacy")))
+        if self.reason:
+            log(INFO, "[final] training stopped early: %s", self.reason)
         per_client = next((r["eval"]["per_client"] for r in reversed(self.rounds)
                            if "eval" in r), {})
         log(INFO, "[final] %-12s %s", "client", "accuracy")
@@ -168,6 +174,13 @@ class ResultsRecorder:
 
 def _fmt(value: float | None) -> str:
     return "  -   " if value is None else f"{value:.4f}"
+
+
+def _privacy(spent: dict[str, Any] | None) -> str:
+    """A DP run's budget spent, for the progress and final lines ("" without DP)."""
+    if not spent:
+        return ""
+    return f" | epsilon {spent['epsilon']:.3f} at delta {spent['delta']:.2g} ({spent['mode']} DP)"
 
 
 def plot_results(results: dict[str, Any], path: Path) -> None:

@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from common.config import ConfigError
 from common.durable import load_tree, save_tree
 from server_app.results import CHECKPOINT, ResultsRecorder
-from strategies.engine import RoundEngine
+from strategies.engine import RoundEngine, RunFailedError
 
 # Keys a resumed run may change: how long it runs, where it writes, how long it waits, and
 # the server's trust settings (an operator may tighten them). Any other difference (method,
@@ -91,10 +91,20 @@ def resume(checkpoint: dict[str, Any], engine: RoundEngine,
 
 def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
                arrays: ArrayRecord, first_round: int, last_round: int,
-               run_ids: list[str]) -> ArrayRecord:
+               run_ids: list[str]) -> tuple[ArrayRecord, str]:
+    """The rounds; the final shared arrays, and why training stopped before ``last_round``
+    ("" if it did not: a DP run stops before a round that would spend more than
+    ``dp.target-epsilon``)."""
     fused = engine.settings.fused_evaluation
     recorder.start()  # starts the round clock, writes results.json
+    stopped = ""
     for server_round in range(first_round, last_round + 1):
+        if (stopped := engine.budget_exceeded() or "") and server_round == first_round:
+            raise RunFailedError(stopped, first_round - 1)
+        if stopped:
+            log(INFO, "[round %d/%d] not run: %s", server_round, last_round, stopped)
+            last_round = server_round - 1
+            break
         # with fused evaluation, round r's exchange also evaluates round r - 1: say so, so
         # that the accuracy lines that follow read in order
         evaluating = (f", evaluating round {server_round - 1}"
@@ -116,4 +126,4 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
         recorder.on_round(last_round)
         save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, engine,
                         recorder, run_ids)
-    return arrays
+    return arrays, stopped

@@ -58,6 +58,10 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         metrics["loss/train"] = entry["train"]["loss"]
     metrics |= {"bytes/up": entry["bytes_up"], "bytes/down": entry["bytes_down"],
                 "time/round_seconds": entry["seconds"]}
+    spent = entry.get("privacy", {})
+    metrics |= {f"privacy/{name}": spent[name] for name in ("epsilon", "clip_norm",
+                                                            "clipped_fraction")
+                if spent.get(name) is not None}
     return {k: float(v) for k, v in metrics.items()}
 
 

@@ -101,7 +101,8 @@ def train_fedrep(job: LocalTraining[FedRepSettings]) -> float:
 FEDAVG = Method("fedavg", personalized=False)
 FEDPROX = Method("fedprox", local_train=train_fedprox, settings=FedProxSettings,
                  personalized=False)
-LOCAL = Method("local", wire=NothingShared)
+LOCAL = Method("local", wire=NothingShared, dp_refused={
+    mode: "it sends nothing, so there is nothing to protect" for mode in ("central", "local")})
 FEDPER = Method("fedper", wire=BodyShared)
 FEDREP = Method("fedrep", wire=BodyShared, local_train=train_fedrep, settings=FedRepSettings,
                 check=check_fedrep)

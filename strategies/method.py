@@ -68,7 +68,8 @@ class Method(Generic[MethodSettingsT]):
     across keys (e.g. a phase that must fit in ``local-epochs``), given the model built on the
     ``meta`` device (no memory, no data); ``actions``: answers to the
     server's ``query`` messages (``action`` name -> ``handler(client, message) ->
-    RecordDict``); ``fine_tune``: a rule that trains a copy of the received model on the
+    RecordDict``); ``dp_refused``: the ``dp.mode`` values it refuses, with why;
+    ``fine_tune``: a rule that trains a copy of the received model on the
     client's train split before each personalized evaluation (FedAvg-FT; nothing of it is sent,
     and training starts from the received model, not from the copy)."""
 
@@ -84,6 +85,9 @@ class Method(Generic[MethodSettingsT]):
     # False: the method shares everything by design (FedAvg, FedProx, FedAvg-FT); a
     # personalized method with nothing personal on the run's model is warned about at start
     personalized: bool = True
+    # dp.mode -> why the method cannot run under it (docs/privacy.md): its server reads
+    # something the mode's noise does not cover
+    dp_refused: dict[str, str] = field(default_factory=dict)
 
     def build_model(self, settings: RunSettings) -> nn.Module:
         """The run's model, identical on the server and on every client (seeded init)."""

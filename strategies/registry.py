@@ -18,6 +18,7 @@ from fldata import check_dataset
 from models import check_backbone
 from strategies import baselines, factorized_fl, feddecomp, fedfac, pfedc
 from strategies.method import InitialState, Method
+from strategies.privacy import refuse_dp
 from strategies.wire import WireSpec
 
 METHODS: list[Method] = [
@@ -44,6 +45,7 @@ def load_settings(run_config: Mapping[str, Any]) -> RunSettings:
     check_dataset(settings)
     check_backbone(settings.model)
     settings = settings.with_method(method.settings.parse(raw) if method.settings else None)
+    refuse_dp(settings, method.dp_refused)
     with torch.device("meta"):
         method.check(settings, method.build_model(settings))
     return settings

@@ -35,7 +35,10 @@ class WireSpec(Generic[MethodSettingsT]):
 
     def __init__(self, model: nn.Module, settings: RunSettings[MethodSettingsT]) -> None:
         self.settings = settings
-        self.shared_keys: list[str] = self.select_shared(model)
+        # under DP, BatchNorm's running statistics stay on the client (docs/privacy.md):
+        # noise on a sum of variances can make one negative
+        self.shared_keys: list[str] = [k for k in self.select_shared(model)
+                                       if not (settings.dp_mode and is_running_stat(k))]
         self.shared_spec: ArraySpec = tensor_spec(model.state_dict(), self.shared_keys)
         self.always_personal: list[str] = self.select_always_personal(model)
         self.personal_keys: list[str] = self.select_personal(model)
@@ -93,6 +96,11 @@ class WireSpec(Generic[MethodSettingsT]):
         masks = self.uplink_masks(received)
         return {k: self.cut(k, state[k].detach().cpu(), masks)
                 for k in self.uplink_spec(info, masks)}
+
+
+def is_running_stat(key: str) -> bool:
+    """A BatchNorm running statistic (``running_mean``, ``running_var``)."""
+    return key.rsplit(".", 1)[-1].startswith("running_")
 
 
 def tensor_spec(state: Mapping[str, Tensor], keys: list[str]) -> ArraySpec:

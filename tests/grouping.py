@@ -10,7 +10,7 @@ import pytest
 
 # fixture -> the group of the tests that use it
 SHARED_RUN_FIXTURES = {"shared_runs": "shared-runs", "attack_runs": "attack-runs",
-                       "compared": "compare-run"}
+                       "compared": "compare-run", "private_runs": "privacy-runs"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

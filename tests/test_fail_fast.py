@@ -46,19 +46,38 @@ CONFIG_MISTAKES = [
     (["partitioner=pathological", "classes-per-client=20"],
      "classes-per-client: 20 is out of range; allowed: [1, 10]"),
     (["method=fed per"], "method: cannot read the value 'fed per'"),
+    # differential privacy: a rule that would change the noised sum's sensitivity
+    (["dp.mode=central", "aggregation.rule=median"],
+     "aggregation.rule='median' with dp.mode='central': the noise is calibrated to a sum of "
+     "clipped updates"),
 ]
 
 
-def test_a_setting_that_leaves_the_shared_part_untrained_stops_with_one_line(tmp_path):
+METHOD_RULE_MISTAKES = [
+    (["method=fedrep", "local-epochs=1"],
+     "fedrep.head-epochs: 1 leaves no epoch of local-epochs=1 to the shared part; allowed: "
+     "[0, 0]"),
+    (["method=feddecomp", "dp.mode=central", "feddecomp.weighting=examples"],
+     "feddecomp.weighting='examples' with dp.mode='central': the noise is calibrated to a "
+     "mean over clients; use feddecomp.weighting='uniform'"),
+    (["method=pfedc", "dp.mode=central"],
+     "dp.mode='central' is not available for method 'pfedc': eq. 7 averages each branch over "
+     "every holder's latest upload, not one noised sum of the round's clients; use "
+     "dp.mode='local'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "line"), METHOD_RULE_MISTAKES,
+                         ids=[" ".join(o) for o, _ in METHOD_RULE_MISTAKES])
+def test_a_method_rule_across_keys_stops_with_one_line(tmp_path, overrides, line):
     """``method=fedrep local-epochs=1``: the default ``fedrep.head-epochs`` (1) would train
-    the head in the one epoch and the shared body never. A method's rule across keys is
-    checked on its model built on the ``meta`` device, so the launcher imports PyTorch first
-    (more CPU than the mistakes above), and still stops before anything starts."""
-    done, _, cpu_seconds = demo("method=fedrep", "local-epochs=1",
-                                f"output-dir={tmp_path / 'out'}")
+    the head in the one epoch and the shared body never; a DP run whose method would break
+    the noise's bound. A method's rule across keys is checked on its model built on the
+    ``meta`` device, so the launcher imports PyTorch first (more CPU than the mistakes
+    above), and still stops before anything starts."""
+    done, _, cpu_seconds = demo(*overrides, f"output-dir={tmp_path / 'out'}")
     assert done.returncode == 2, done.stderr
-    assert done.stderr == ("pflower: fedrep.head-epochs: 1 leaves no epoch of local-epochs=1 "
-                           "to the shared part; allowed: [0, 0]\n")
+    assert done.stderr == f"pflower: {line}\n"
     assert cpu_seconds < 20, cpu_seconds
     assert not (tmp_path / "out").exists()
 

@@ -45,6 +45,10 @@ SCENARIOS = [
     ("factorized-fl", {"factorized-fl.variant": "u-paper"}),
     ("feddecomp", {"feddecomp.bn-stats": "personal", "feddecomp.weighting": "examples"}),
     ("fedfac", {"fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
+    # under differential privacy: the clipped (and, local, noised) uplinks
+    *[(m, {"dp.mode": "local"}) for m in REGISTRY if m != "local"],
+    *[(m, {"dp.mode": "central"}) for m in ("fedavg", "fedbn", "feddecomp")],
+    ("fedfac", {"dp.mode": "local", "fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
 ]
 
 
@@ -60,9 +64,13 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
                           dst_node_id=client.context.node_id, message_type=MessageType.TRAIN)
         model = client.model(down)
         identity = client.identity()
+        uplink, privacy = client.shared_arrays(model, down, identity), {}
+        if client.settings.dp_mode:  # untrained: every update is zero, and stays zero
+            uplink, privacy = client.privatized(uplink, uplink, message.content[CONFIG])
         reply = Message(RecordDict({
-            ARRAYS: client.shared_arrays(model, down, identity),
-            METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train), "train-loss": 1.0}),
+            ARRAYS: uplink,
+            METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train), "train-loss": 1.0,
+                                   **privacy}),
             CLIENT: identity}), reply_to=message)
         sent.append(message)
         replies.append((client.context.node_id, reply))
@@ -140,6 +148,8 @@ def _stays_on_the_client(method: str, overrides: dict, client: Client, model, ke
     leaf = key.rsplit(".", 1)[-1]
     if leaf == "num_batches_tracked":
         return True
+    if overrides.get("dp.mode") and batchnorm and leaf.startswith("running_"):
+        return True  # noise would break a variance
     if method == "local":
         return True
     if method in ("fedper", "fedrep"):

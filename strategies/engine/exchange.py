@@ -123,14 +123,17 @@ class Messenger:
 
     def address(self, server_round: int, clients: dict[int, str | None], arrays: ArrayRecord,
                 message_type: str, config_round: int,
-                evaluate_first: set[int] | frozenset[int] = frozenset()) -> list[Message]:
+                evaluate_first: set[int] | frozenset[int] = frozenset(),
+                config: dict[str, Any] | None = None) -> list[Message]:
         """One message per node (``clients``: node -> client id) with its own downlink, the
-        run's ``message_config`` and ``server-round = config_round`` (and, for the nodes in
-        ``evaluate_first``, the fused-evaluation flag); the arrays' bytes go into round
-        ``server_round``'s downlink count."""
+        run's ``message_config``, this exchange's ``config`` (a DP run's clip norm) and
+        ``server-round = config_round`` (and, for the nodes in ``evaluate_first``, the
+        fused-evaluation flag); the arrays' bytes go into round ``server_round``'s downlink
+        count."""
         messages = [Message(RecordDict({   # a fresh RecordDict per node: never shared
             ARRAYS: self.downlink(server_round, client_id, arrays),
-            CONFIG: ConfigRecord({**self.message_config, SERVER_ROUND: config_round,
+            CONFIG: ConfigRecord({**self.message_config, **(config or {}),
+                                  SERVER_ROUND: config_round,
                                   **({EVALUATE_FIRST: True} if node_id in evaluate_first
                                      else {})}),
         }), dst_node_id=node_id, message_type=message_type, group_id=str(server_round))

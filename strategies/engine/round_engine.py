@@ -7,15 +7,17 @@ A round, as ``train_round`` runs it (the ServerApp's loop, with checkpoints, is
 1. **expire** client ids not heard from for ``identity.expire-rounds``; the rule's
    ``start_round``;
 2. **admit and sample**: wait for ``min-nodes``, identify newcomers (``Admission``: identify
-   queries, a rejoining client's evaluation), then draw a ``fraction-train`` share;
+   queries, a rejoining client's evaluation), then draw a ``fraction-train`` share (a secret
+   draw under central DP: ``PrivacyLedger.sampler``);
 3. **address**: one message per node with its own ``downlink`` (``Messenger``); with fused
    evaluation the clients drawn at the end of the last round evaluate first;
 4. **exchange**: send and wait (``round-timeout``, ``max-in-flight``);
 5. **validate** each reply against the wire spec (``ReplyCheck``; a reply that fails is
    dropped with its reason); split off the last round's evaluation (``PendingEvaluation``);
    stop the run if every reply failed the same way;
-6. **merge** (the rule's ``merge_updates``) and record the round (``RoundLedger``: bytes,
-   CPU, drops, loss);
+6. **merge** (the rule's ``merge_updates``; under central DP its mean is the noised one of
+   ``PrivacyLedger.merge``) and record the round (``RoundLedger``: bytes, CPU, drops, loss;
+   ``PrivacyLedger.account``: the privacy spent);
 7. **draw** the clients that evaluate this round (fused evaluation: asked next round).
 
 The engine builds its collaborators and passes them to each other; the rule sees the run
@@ -26,7 +28,6 @@ and the message config.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from logging import INFO, WARNING
 from typing import Any, Generic
@@ -53,6 +54,7 @@ from strategies.engine.evaluation import (
 )
 from strategies.engine.exchange import Messenger
 from strategies.engine.identity import NodeDirectory
+from strategies.engine.privacy import PrivacyLedger
 from strategies.engine.replies import ReplyCheck, stop_if_every_reply_failed
 from strategies.engine.robust import ExampleCounts
 from strategies.engine.rule import MethodRule, RuleContext
@@ -71,6 +73,8 @@ class RoundEngine(Generic[MethodSettingsT]):
         self.ledger = RoundLedger()
         self.nodes = NodeDirectory(settings)
         self.example_counts = ExampleCounts()
+        self.privacy = PrivacyLedger(settings)
+        self.sampler = self.privacy.sampler()
         self.replies = ReplyCheck(settings, self.ledger, self.nodes, self.example_counts)
         # the rule is built last (it needs the context), and reached through these two
         self.messenger = Messenger(settings, self.ledger,
@@ -80,7 +84,7 @@ class RoundEngine(Generic[MethodSettingsT]):
                                    self.ledger, self.evaluation,
                                    lambda *args: self.rule.client_identified(*args))
         self.rule = rule(RuleContext(settings, wire, self.ledger, self.nodes, self.replies,
-                                     self.messenger))
+                                     self.messenger, self.privacy))
 
     # ------------------------------------------------------------------ public face
     def round_record(self, server_round: int) -> RoundRecord:
@@ -91,6 +95,11 @@ class RoundEngine(Generic[MethodSettingsT]):
         """The server's per-client tables for results.json (``server_state``)."""
         return {"node_to_client": {str(k): v for k, v in self.nodes.node_to_client.items()},
                 **self.rule.results_tables()}
+
+    def budget_exceeded(self) -> str | None:
+        """Why the next round may not run: it would spend more than ``dp.target-epsilon``
+        (None: it may, or no budget was set)."""
+        return self.privacy.budget_exceeded(self.settings.fraction_train)
 
     def set_message_config(self, config: dict[str, Any]) -> None:
         """Added to every train and evaluate message's config from now on (a resumed run's
@@ -103,6 +112,7 @@ class RoundEngine(Generic[MethodSettingsT]):
         the nodes of the clients drawn to evaluate the checkpoint's round."""
         self.admission.identify_all(grid, first_round)
         self.evaluation.resolve(self.nodes)
+        self.privacy.fix_population(self.nodes.client_info)  # before round 1's budget check
 
     def train_round(self, grid: Grid, server_round: int, arrays: ArrayRecord
                     ) -> ArrayRecord | None:
@@ -112,12 +122,14 @@ class RoundEngine(Generic[MethodSettingsT]):
         with self.ledger.server_cpu(server_round):
             self.forget_expired(server_round)
             self.rule.start_round(server_round)
-            trainers = self.admit_and_sample(grid, server_round, arrays,
-                                             self.settings.fraction_train, MessageType.TRAIN)
+            eligible = self.admit(grid, server_round, arrays, MessageType.TRAIN)
+            trainers = self.draw(eligible, self.settings.fraction_train)
+            self.privacy.fix_population(self.nodes.client_info)
             evaluators = self.evaluation.take() or {}
             messages = self.messenger.address(server_round, trainers, arrays,
                                               MessageType.TRAIN, server_round,
-                                              evaluate_first=set(evaluators))
+                                              evaluate_first=set(evaluators),
+                                              config=self.privacy.message_config())
             messages += self.messenger.address(
                 previous, {n: c for n, c in evaluators.items() if n not in trainers}, arrays,
                 MessageType.EVALUATE, previous)
@@ -133,6 +145,10 @@ class RoundEngine(Generic[MethodSettingsT]):
             stop_if_every_reply_failed(f"training of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
             updated = self.merge(server_round, valid, arrays)
+            spent = self.privacy.account(server_round, [c for c in trainers.values() if c],
+                                         len(eligible), updated is not None)
+            if spent is not None:
+                self.ledger.report(server_round, "privacy", spent)
         if self.settings.fused_evaluation:
             with self.ledger.server_cpu(server_round):
                 self.evaluation.draw(self.admit_and_sample(
@@ -181,11 +197,20 @@ class RoundEngine(Generic[MethodSettingsT]):
         and at training a rejoining client's evaluation: ``Admission.identify_newcomers``)."""
         if fraction == 0.0:
             return {}
+        return self.draw(self.admit(grid, server_round, arrays, stage), fraction)
+
+    def admit(self, grid: Grid, server_round: int, arrays: ArrayRecord, stage: str
+              ) -> list[int]:
+        """The samplable nodes, after the nodes that connected since the last exchange were
+        identified."""
         nodes = self.admission.connected(grid)
         self.admission.identify_newcomers(grid, server_round, stage, nodes, arrays)
-        eligible = self.nodes.samplable(nodes)
-        node_ids = random.sample(eligible, min(len(eligible),
-                                               max(int(len(eligible) * fraction), 1)))
+        return self.nodes.samplable(nodes)
+
+    def draw(self, eligible: list[int], fraction: float) -> Drawn:
+        """A ``fraction`` of the ``eligible`` nodes (at least one), by the run's sampler."""
+        node_ids = self.sampler.sample(eligible, min(len(eligible),
+                                                     max(int(len(eligible) * fraction), 1)))
         return {n: self.nodes.client_of(n) for n in node_ids}
 
     def uplink_expected(self) -> Callable[[ClientReply], ArraySpec]:
@@ -222,7 +247,8 @@ class RoundEngine(Generic[MethodSettingsT]):
                     **{name: getattr(self.rule, name) for name in self.rule.checkpointed},
                     "last_seen": self.nodes.last_seen,
                     "example_counts": self.example_counts.pinned},
-                "pending_evaluation": self.evaluation.state(server_round)}
+                "pending_evaluation": self.evaluation.state(server_round),
+                **({"privacy": self.privacy.state()} if self.privacy.mode else {})}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Continue from a ``snapshot`` (read back from a checkpoint)."""
@@ -234,3 +260,4 @@ class RoundEngine(Generic[MethodSettingsT]):
         self.example_counts.pinned = dict(state.get("example_counts", {}))
         self.rule.tables_changed()
         self.evaluation.restore(snapshot.get("pending_evaluation"))
+        self.privacy.restore(snapshot.get("privacy"))

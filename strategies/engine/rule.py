@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from strategies.engine.accounting import RoundLedger
     from strategies.engine.exchange import Messenger
     from strategies.engine.identity import NodeDirectory
+    from strategies.engine.privacy import PrivacyLedger
     from strategies.engine.replies import ReplyCheck
 
 AFTER_TRAINING = 0  # the ledger's record for what happens after the last round (never a round)
@@ -52,13 +53,14 @@ class RuleContext(Generic[MethodSettingsT]):
 
     def __init__(self, settings: RunSettings[MethodSettingsT], wire: WireSpec[MethodSettingsT],
                  ledger: RoundLedger, nodes: NodeDirectory, replies: ReplyCheck,
-                 messenger: Messenger) -> None:
+                 messenger: Messenger, privacy: PrivacyLedger) -> None:
         self.settings = settings
         self.wire = wire
         self._ledger = ledger
         self._nodes = nodes
         self._replies = replies
         self._messenger = messenger
+        self._privacy = privacy
 
     def report(self, server_round: int, name: str, value: Any) -> None:
         """A per-round value of the method, a field of that round's entry in results.json."""
@@ -68,7 +70,10 @@ class RuleContext(Generic[MethodSettingsT]):
                   uniform: bool = False) -> ArrayRecord:
         """``keys`` of the replies' arrays by the run's ``aggregation.*`` rule (``reference``:
         the arrays the round started from, for update clipping; ``uniform``: every client
-        counts once instead of by its examples)."""
+        counts once instead of by its examples). Under ``dp.mode = "central"``: the noised
+        mean of the clipped updates (``keys`` must then be the whole uplink)."""
+        if self.settings.dp_mode == "central":
+            return self._privacy.merge(replies, keys, reference)
         return aggregate(replies, keys, reference, self.settings, uniform)
 
     # ------------------------------------------------------------------ clients

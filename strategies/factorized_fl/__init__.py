@@ -14,4 +14,7 @@ from strategies.method import Method
 METHOD = Method("factorized-fl", wire=FactorsShared, rule=FactorizedFLRule,
                 local_train=train_factorized_fl, settings=FactorizedFLSettings,
                 transform=lambda model, settings: factorize(
-                    model, settings.method_settings.mu_init))
+                    model, settings.method_settings.mu_init),
+                dp_refused={"central": "each client's own weighted average is built from "
+                                       "the other clients' clean uploads; use "
+                                       "dp.mode='local'"})

@@ -44,6 +44,10 @@ def check(settings: RunSettings[FedDecompSettings], model: nn.Module) -> None:
     linear_rank(settings)
     leaves_shared_epochs("feddecomp.lora-epochs", settings.method_settings.lora_epochs,
                          settings.local_epochs)
+    if settings.dp_mode == "central" and settings.method_settings.weighting != "uniform":
+        raise ConfigError("feddecomp.weighting='examples' with dp.mode='central': the noise "
+                          "is calibrated to a mean over clients; use "
+                          "feddecomp.weighting='uniform'")
 
 
 class SigmaShared(WireSpec[FedDecompSettings]):

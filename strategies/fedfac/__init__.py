@@ -13,4 +13,7 @@ from strategies.fedfac.spec import FedFacSettings, SharedRows, check
 from strategies.method import Method
 
 METHOD = Method("fedfac", wire=SharedRows, rule=FedFacRule, settings=FedFacSettings,
-                check=check, actions=ACTIONS)
+                check=check, actions=ACTIONS,
+                dp_refused={"central": "the factor analysis reads each client's clean rows "
+                                       "and its split goes to every client; use "
+                                       "dp.mode='local'"})

@@ -24,7 +24,7 @@ from common.config import ConfigError, KeyGroup, RunSettings, key
 from common.protocol import ArraySpec
 from fldata import dataset_shape
 from models.fedfac import analysed_layers, element_keys
-from strategies.wire import Masks, WireSpec
+from strategies.wire import Masks, WireSpec, is_running_stat
 
 MASK_PREFIX = "fedfac.mask."
 MEMBER_PREFIX = "member."  # new-client Ensemble: member.<i>.<key> = existing client i's tensor
@@ -48,6 +48,10 @@ def check(settings: RunSettings[FedFacSettings], model: nn.Module) -> None:
         raise ConfigError("fedfac.split: 'true' needs dataset synthetic-fedfac; allowed "
                           "elsewhere: estimate, random")
     analysed_layers(model, settings.method_settings.layers, dataset_shape(settings)[0])
+    if settings.dp_mode and settings.method_settings.new_clients > 0:
+        raise ConfigError("fedfac.new-clients with dp.mode: the new-client ensemble sends "
+                          "the existing clients' personal rows to the server; set "
+                          "fedfac.new-clients=0")
 
 
 class SharedRows(WireSpec[FedFacSettings]):
@@ -55,7 +59,8 @@ class SharedRows(WireSpec[FedFacSettings]):
         self.layers = analysed_layers(model, settings.method_settings.layers,
                                       dataset_shape(settings)[0])
         self.layer_of_key = {k: layer for layer in self.layers
-                             for k in element_keys(model, layer)}
+                             for k in element_keys(model, layer)  # (DP: statistics stay)
+                             if not (settings.dp_mode and is_running_stat(k))}
         self.static = settings.method_settings.mode == "static"
         super().__init__(model, settings)
 

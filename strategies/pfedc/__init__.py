@@ -16,4 +16,7 @@ METHOD = Method("pfedc", wire=HeldBranches, rule=PFedCRule, local_train=train_pf
                 settings=PFedCSettings,
                 transform=lambda model, settings: with_branches(
                     model, settings.method_settings.tasks),
-                check=check)
+                check=check,
+                dp_refused={"central": "eq. 7 averages each branch over every holder's "
+                                       "latest upload, not one noised sum of the round's "
+                                       "clients; use dp.mode='local'"})

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from common.config import KeyGroup, RunSettings, in_range
+from common.config import ConfigError, KeyGroup, RunSettings, in_range
 from common.config import key as config_key
 from common.protocol import ArraySpec
 from fldata import ClientData, dataset_shape
@@ -43,6 +43,9 @@ class PFedCSettings(KeyGroup):
 def check(settings: RunSettings[PFedCSettings], model: nn.Module) -> None:
     _, num_classes = dataset_shape(settings)
     in_range("pfedc.tasks", settings.method_settings.tasks, 0, num_classes)
+    if settings.dp_mode and settings.method_settings.weighting == "counts":
+        raise ConfigError("pfedc.weighting='counts' with dp.mode: each client's class counts "
+                          "would leave it without noise; use pfedc.weighting='uniform'")
 
 
 class HeldBranches(WireSpec[PFedCSettings]):

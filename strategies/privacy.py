@@ -1,0 +1,98 @@
+"""Client-level differential privacy of what leaves a client (docs/privacy.md).
+
+A client's *update* is what it sends minus what it would have sent before training (the same
+keys, cut by the same rows: ``WireSpec.build_uplink`` of its starting state). Both modes clip
+each update to ``clip_norm`` over all of its arrays together (Flower's
+``compute_adaptive_clip_model_update``: the FlatClip of McMahan et al. 2018, which also says
+whether the update was clipped):
+
+- ``dp.mode = "central"``: the client sends its clipped update (added to its start); the
+  server clips again (a site that does not clip cannot break the bound) and adds
+  ``N(0, (noise_multiplier * clip_norm)^2)`` to the *sum* before dividing by the number of
+  updates (``noised_mean``);
+- ``"local"``: the client adds that noise to its own clipped update before sending it, so
+  the server never sees a clean one.
+
+Noise comes from the operating system's entropy (``secret_rng``), never from the run's
+``seed``: every site knows the seed, and noise it could regenerate would protect nothing.
+
+Accounting (``strategies/engine/privacy.py``) is for *replacing one client's data*: two
+clipped updates differ by at most twice the clip norm, so the accountant is given
+``accounted_noise_multiplier = noise_multiplier / 2``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+from flwr.supercore.differential_privacy import compute_adaptive_clip_model_update, get_norm
+
+from common.config import ConfigError, RunSettings
+
+
+def secret_rng() -> np.random.Generator:
+    """A generator seeded from the operating system's entropy (``secrets``)."""
+    return np.random.default_rng(secrets.randbits(128))
+
+
+def accounted_noise_multiplier(noise_multiplier: float) -> float:
+    """The noise's standard deviation over the sensitivity of one client's contribution
+    under replace-one (twice the clip norm): what the accountant is given."""
+    return noise_multiplier / 2
+
+
+def clip_update(sent: list[np.ndarray], start: list[np.ndarray], clip_norm: float) -> bool:
+    """``sent`` (float64, in place) becomes ``start`` plus its update clipped to
+    ``clip_norm`` (L2 over all arrays together); True if the update was longer. An update of
+    zero (a client that did not move) stays zero (Flower's clip divides by the norm)."""
+    if get_norm([s - t for s, t in zip(sent, start, strict=True)]) == 0.0:
+        return False
+    return bool(compute_adaptive_clip_model_update(sent, start, clip_norm))
+
+
+def privatize_uplink(uplink: ArrayRecord, start: ArrayRecord, mode: str, clip_norm: float,
+                     noise_multiplier: float, rng: np.random.Generator
+                     ) -> tuple[ArrayRecord, bool]:
+    """A client's uplink under ``mode``: its update over ``start`` clipped (and, ``local``,
+    noised with standard deviation ``noise_multiplier * clip_norm``); also whether it was
+    clipped. Every array keeps its key, shape and dtype."""
+    keys = list(uplink.keys())
+    sent = [uplink[k].numpy().astype(np.float64) for k in keys]
+    clipped = clip_update(sent, [start[k].numpy().astype(np.float64) for k in keys],
+                          clip_norm)
+    if mode == "local":
+        for values in sent:
+            values += rng.normal(0.0, noise_multiplier * clip_norm, values.shape)
+    return ArrayRecord({k: Array(values.astype(uplink[k].numpy().dtype))
+                        for k, values in zip(keys, sent, strict=True)}), clipped
+
+
+def noised_mean(uploads: list[list[np.ndarray]], start: list[np.ndarray], clip_norm: float,
+                noise_std: float, rng: np.random.Generator) -> tuple[list[np.ndarray], int]:
+    """Central DP's merge: ``start`` plus the mean of the clients' updates, each clipped to
+    ``clip_norm``, with ``N(0, noise_std^2)`` added to their sum; and how many updates the
+    server itself had to clip (0 for clients that clip as they should)."""
+    total = [np.zeros_like(values, dtype=np.float64) for values in start]
+    clipped_here = 0
+    for upload in uploads:
+        sent = [np.asarray(values, np.float64).copy() for values in upload]
+        # a client's clip rounded to float32 may exceed the norm by a few ulps: not a clip
+        longer = get_norm([s - t for s, t in zip(sent, start, strict=True)])
+        clip_update(sent, start, clip_norm)
+        clipped_here += longer > clip_norm * (1 + 1e-5)
+        for i, values in enumerate(sent):
+            total[i] += values - start[i]
+    return [start[i] + (total[i] + rng.normal(0.0, noise_std, total[i].shape)) / len(uploads)
+            for i in range(len(start))], clipped_here
+
+
+def refuse_dp(settings: RunSettings, refused: Mapping[str, str]) -> None:
+    """One ``ConfigError`` line when the method cannot run under the run's ``dp.mode``
+    (``refused``: mode -> why)."""
+    mode = settings.dp_mode
+    if mode and mode in refused:
+        raise ConfigError(f"dp.mode={mode!r} is not available for method "
+                          f"{settings.method!r}: {refused[mode]}")

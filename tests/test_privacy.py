@@ -1,0 +1,235 @@
+"""Differential privacy (docs/privacy.md): clipping, noise, adaptive clipping, the
+accountant against dp-accounting's own computation, the budget stop, and the configs that
+would break the bound."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.privacy_accountant import NeighboringRelation
+from dp_accounting.rdp import RdpAccountant as ReferenceAccountant
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+
+from common.config import ConfigError
+from common.protocol import CLIENT_ID, DP_CLIPPED, NUM_EXAMPLES, ClientReply
+from strategies.engine.privacy import PrivacyLedger, default_delta
+from strategies.privacy import noised_mean, privatize_uplink
+from strategies.registry import load_settings
+from tests.conftest import app_config
+
+SHAPES = {"conv.weight": (4, 3, 3, 3), "conv.bias": (4,), "fc.weight": (10, 36)}
+
+
+def arrays(rng: np.random.Generator, scale: float) -> dict[str, np.ndarray]:
+    return {k: (rng.normal(size=shape) * scale).astype(np.float32)
+            for k, shape in SHAPES.items()}
+
+
+def norm(update: dict[str, np.ndarray]) -> float:
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64)))
+                         for v in update.values()))
+
+
+def record(values: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in values.items()})
+
+
+def reply(client_id: str, values: dict[str, np.ndarray], clipped: float) -> ClientReply:
+    return ClientReply(node_id=0, client_id=client_id, arrays=record(values),
+                       metrics=MetricRecord({NUM_EXAMPLES: 10, DP_CLIPPED: clipped}),
+                       info=ConfigRecord({CLIENT_ID: client_id}))
+
+
+def settings(**overrides):
+    return load_settings(app_config(**{"dp.mode": "central", **overrides}))
+
+
+class NoNoise:
+    """A generator without noise: what the clip alone does is then visible."""
+
+    def normal(self, loc, scale, size=None):
+        return np.zeros(size) if size is not None else 0.0
+
+
+# ---------------------------------------------------------------------- clipping
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_a_client_update_leaves_clipped_to_the_clip_norm(mode):
+    rng = np.random.default_rng(0)
+    start = arrays(rng, 1.0)
+    for scale, clip_norm in [(5.0, 1.0), (0.001, 1.0), (1.0, 0.3)]:
+        trained = {k: v + arrays(rng, scale)[k] for k, v in start.items()}
+        sent, clipped = privatize_uplink(record(trained), record(start), mode, clip_norm,
+                                         1.0, NoNoise())
+        update = {k: sent[k].numpy() - start[k] for k in SHAPES}
+        before = norm({k: trained[k] - start[k] for k in SHAPES})
+        assert clipped == (before > clip_norm)
+        assert norm(update) <= clip_norm * (1 + 1e-5)
+        if not clipped:  # a short update goes as it is
+            assert all(np.array_equal(sent[k].numpy(), trained[k]) for k in SHAPES)
+        assert {k: (sent[k].shape, sent[k].dtype) for k in SHAPES} == \
+            {k: (record(trained)[k].shape, record(trained)[k].dtype) for k in SHAPES}
+
+
+def test_the_server_clips_an_update_a_site_did_not_clip():
+    rng = np.random.default_rng(1)
+    start = arrays(rng, 1.0)
+    hostile = {k: v + arrays(rng, 100.0)[k] for k, v in start.items()}
+    small = {k: v + arrays(rng, 0.001)[k] for k, v in start.items()}
+    merged, clipped_here = noised_mean(
+        [[hostile[k] for k in SHAPES], [small[k] for k in SHAPES]],
+        [start[k].astype(np.float64) for k in SHAPES], 1.0, 0.0, NoNoise())
+    hostile_part = {k: 2 * (merged[i] - start[k]) - (small[k] - start[k])
+                    for i, k in enumerate(SHAPES)}
+    assert clipped_here == 1
+    assert norm(hostile_part) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_adaptive_clipping_follows_the_target_quantile_and_bounds_every_update():
+    """Clients' update norms spread over [0.5, 4.5]: with target quantile 0.5 the clip norm
+    moves from 0.2 towards their median (2.5), and in every round the merge counts no
+    update longer than that round's clip norm."""
+    run = settings(**{"dp.adaptive-clipping": True, "dp.clip-norm": 0.2,
+                      "dp.noise-multiplier": 1.0, "dp.clipped-count-stddev": 5.0})
+    ledger = PrivacyLedger(run, rng=NoNoise())
+    rng = np.random.default_rng(2)
+    start = arrays(rng, 1.0)
+    norms = []
+    for _ in range(60):
+        clip_norm = ledger.clip_norm
+        replies = []
+        for i, length in enumerate(np.linspace(0.5, 4.5, 9)):
+            direction = arrays(rng, 1.0)
+            update = {k: v * (length / norm(direction)) for k, v in direction.items()}
+            replies.append(reply(str(i), {k: start[k] + update[k] for k in SHAPES},
+                                 float(length > clip_norm)))  # the client did not clip
+        merged = ledger.merge(replies, list(SHAPES), record(start))
+        mean_update = {k: merged[k].numpy().astype(np.float64) - start[k] for k in SHAPES}
+        assert norm(mean_update) <= clip_norm * (1 + 1e-5)  # a mean of clipped updates
+        norms.append(clip_norm)
+    assert norms[0] == 0.2 and 2.0 < norms[-1] < 3.0, norms[-5:]
+
+
+def test_the_noise_is_noise_multiplier_times_clip_norm_on_the_sum():
+    """Central: the sum of n updates gets N(0, (z C)^2), the mean (z C / n)^2; local: each
+    update gets (z C)^2 (a fixed-seed generator, 60,000 draws: within 2%)."""
+    z, clip_norm, n = 1.3, 0.7, 4
+    big = {"w": (200, 300)}
+    start = {k: np.zeros(s, np.float32) for k, s in big.items()}
+    ledger = PrivacyLedger(settings(**{"dp.noise-multiplier": z, "dp.clip-norm": clip_norm}),
+                           rng=np.random.default_rng(3))
+    merged = ledger.merge([reply(str(i), start, 0.0) for i in range(n)], ["w"], record(start))
+    assert np.std(merged["w"].numpy()) == pytest.approx(z * clip_norm / n, rel=0.02)
+    sent, _ = privatize_uplink(record(start), record(start), "local", clip_norm, z,
+                               np.random.default_rng(4))
+    assert np.std(sent["w"].numpy()) == pytest.approx(z * clip_norm, rel=0.02)
+    assert abs(np.mean(sent["w"].numpy())) < 0.02 * z * clip_norm
+
+
+# ---------------------------------------------------------------------- accounting
+def reference_epsilon(event: dp_event.DpEvent, relation: NeighboringRelation, count: int,
+                      delta: float) -> float:
+    accountant = ReferenceAccountant(neighboring_relation=relation)
+    accountant.compose(event, count)
+    return accountant.get_epsilon(delta)
+
+
+def test_central_epsilon_is_dp_accountings_for_the_same_rounds_sampling_and_noise():
+    """20 clients, 5 drawn a round without replacement, noise multiplier 1.1 (the
+    accountant's 0.55: replace-one doubles the sensitivity), 3 rounds."""
+    z, population, drawn = 1.1, 20, 5
+    ledger = PrivacyLedger(settings(**{"dp.noise-multiplier": z}))
+    ledger.fix_population({str(i): {"num-partitions": population} for i in range(population)})
+    delta = default_delta(population)
+    for server_round in range(1, 4):
+        spent = ledger.account(server_round, [str(i) for i in range(drawn)], population, True)
+        expected = reference_epsilon(
+            dp_event.SampledWithoutReplacementDpEvent(population, drawn,
+                                                      dp_event.GaussianDpEvent(z / 2)),
+            NeighboringRelation.REPLACE_ONE, server_round, delta)
+        assert spent["epsilon"] == pytest.approx(expected, rel=1e-12)
+        assert spent["delta"] == delta == 1 / 20 ** 1.1
+    assert spent["mode"] == "central" and spent["noise_multiplier"] == z
+
+
+def test_local_epsilon_is_the_most_drawn_clients_composition_without_amplification():
+    z = 2.0
+    ledger = PrivacyLedger(settings(**{"dp.mode": "local", "dp.noise-multiplier": z,
+                                       "dp.delta": 1e-5}))
+    ledger.fix_population({str(i): {"num-partitions": 10} for i in range(10)})
+    draws = [["0", "1"], ["0", "2"], ["0", "3"], ["4", "5"]]  # client 0: three times
+    for server_round, drawn in enumerate(draws, 1):
+        spent = ledger.account(server_round, drawn, 10, True)
+    expected = reference_epsilon(dp_event.GaussianDpEvent(z / 2),
+                                 NeighboringRelation.ADD_OR_REMOVE_ONE, 3, 1e-5)
+    assert spent["epsilon"] == pytest.approx(expected, rel=1e-12)
+    assert spent["clipped_fraction"] is None  # no clipped bit leaves a local-DP client
+
+
+def test_a_round_that_would_pass_the_target_epsilon_is_not_run():
+    z, population = 1.0, 10
+    run = settings(**{"dp.noise-multiplier": z, "fraction-train": 0.5})
+    ledger = PrivacyLedger(run)
+    ledger.fix_population({str(i): {"num-partitions": population} for i in range(population)})
+    epsilons = [ledger.account(r, [str(i) for i in range(5)], population, True)["epsilon"]
+                for r in (1, 2, 3)]
+    target = (epsilons[1] + epsilons[2]) / 2
+    capped = PrivacyLedger(settings(**{"dp.noise-multiplier": z, "fraction-train": 0.5,
+                                       "dp.target-epsilon": target}))
+    capped.fix_population({str(i): {"num-partitions": population} for i in range(population)})
+    for server_round in (1, 2):
+        assert capped.budget_exceeded(0.5) is None
+        capped.account(server_round, [str(i) for i in range(5)], population, True)
+    reason = capped.budget_exceeded(0.5)
+    assert reason == (f"dp.target-epsilon={target}: the next round would spend epsilon "
+                      f"{epsilons[2]:.3f} at delta {default_delta(population):.3g}")
+
+
+def test_the_privacy_state_survives_a_checkpoint():
+    run = settings(**{"dp.adaptive-clipping": True, "dp.clipped-count-stddev": 5.0})
+    ledger = PrivacyLedger(run, rng=NoNoise())
+    ledger.fix_population({str(i): {"num-partitions": 8} for i in range(8)})
+    start = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    ledger.merge([reply("0", start, 0.0)], list(SHAPES), record(start))
+    first = ledger.account(1, ["0", "1"], 8, True)
+    restored = PrivacyLedger(run)
+    restored.restore(ledger.state())
+    assert restored.clip_norm == ledger.clip_norm != run.dp_clip_norm
+    assert restored.epsilon() == first["epsilon"] > 0
+
+
+# ---------------------------------------------------------------------- configs
+@pytest.mark.parametrize(("overrides", "line"), [
+    ({"aggregation.rule": "trimmed-mean"}, "aggregation.rule='trimmed-mean' with "
+     "dp.mode='central'"),
+    ({"aggregation.clip-norm": 2.0}, "aggregation.clip-norm with dp.mode='central'"),
+    ({"dp.mode": "local", "dp.adaptive-clipping": True}, "dp.adaptive-clipping with "
+     "dp.mode='local'"),
+    ({"method": "feddecomp", "feddecomp.weighting": "examples"},
+     "feddecomp.weighting='examples' with dp.mode='central'"),
+    ({"method": "factorized-fl"}, "dp.mode='central' is not available for method "
+     "'factorized-fl'"),
+    ({"method": "fedfac"}, "dp.mode='central' is not available for method 'fedfac'"),
+    ({"method": "fedfac", "dp.mode": "local", "fedfac.new-clients": 0.2},
+     "fedfac.new-clients with dp.mode"),
+    ({"method": "pfedc", "dp.mode": "local", "pfedc.weighting": "counts"},
+     "pfedc.weighting='counts' with dp.mode"),
+    ({"method": "local", "dp.mode": "local"}, "dp.mode='local' is not available for method "
+     "'local': it sends nothing"),
+    ({"dp.noise-multiplier": 0.0}, "dp.noise-multiplier: 0.0 is out of range"),
+])
+def test_a_config_that_breaks_the_bound_is_refused_in_one_line(overrides, line):
+    with pytest.raises(ConfigError) as refused:
+        settings(**overrides)
+    assert line in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"method": "feddecomp"}, {"method": "fedrep"}, {"method": "fedbn"},
+    {"method": "pfedc", "dp.mode": "local"}, {"method": "factorized-fl", "dp.mode": "local"},
+    {"method": "fedfac", "dp.mode": "local"},
+    {"dp.mode": "local", "aggregation.rule": "median"}])
+def test_every_other_method_runs_under_dp(overrides):
+    assert settings(**overrides).dp_mode in ("central", "local")

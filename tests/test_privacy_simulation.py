@@ -1,0 +1,81 @@
+"""Integration: differential privacy in real ``flwr run`` simulations (docs/privacy.md)."""
+
+from __future__ import annotations
+
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.privacy_accountant import NeighboringRelation
+from dp_accounting.rdp import RdpAccountant as ReferenceAccountant
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import (
+    REFERENCE,
+    REFERENCE_CLIENTS,
+    SharedRuns,
+    check_results_schema,
+    read_results,
+)
+
+pytestmark = pytest.mark.integration
+NOISE = 1.0
+
+
+@pytest.fixture(scope="module")
+def private_runs(federation, tmp_path_factory) -> SharedRuns:
+    return SharedRuns(federation, tmp_path_factory.mktemp("private-runs"))
+
+
+def central_epsilon(rounds: int, delta: float) -> float:
+    """dp-accounting's own epsilon: every one of 3 clients drawn, the accountant's noise
+    multiplier half the run's (replace-one)."""
+    accountant = ReferenceAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_event.SampledWithoutReplacementDpEvent(
+        REFERENCE_CLIENTS, REFERENCE_CLIENTS, dp_event.GaussianDpEvent(NOISE / 2)), rounds)
+    return accountant.get_epsilon(delta)
+
+
+def test_a_central_dp_run_reports_its_budget_and_stops_before_passing_its_target(
+        private_runs):
+    """FedDecomp under central DP with a target epsilon between what 2 and 3 rounds spend:
+    rounds 1-2 run, each with its epsilon (dp-accounting's), the run completes with the
+    reason, and no reply was dropped (every clipped uplink fits the wire spec)."""
+    delta = 1 / REFERENCE_CLIENTS ** 1.1
+    target = (central_epsilon(2, delta) + central_epsilon(3, delta)) / 2
+    run, out = private_runs.get({
+        **REFERENCE, "method": "feddecomp", "dp.mode": "central", "dp.noise-multiplier": NOISE,
+        "dp.target-epsilon": target, "tracking": "tensorboard"})
+    assert run.ok, run.output[-3000:]
+    results = read_results(out)
+    check_results_schema(results, "feddecomp", num_rounds=2, num_clients=REFERENCE_CLIENTS)
+    assert results["status"] == "completed"
+    assert results["reason"].startswith(f"dp.target-epsilon={target}: the next round would "
+                                        f"spend epsilon {central_epsilon(3, delta):.3f}")
+    spent = [r["privacy"] for r in results["rounds"]]
+    assert [s["epsilon"] for s in spent] == pytest.approx(
+        [central_epsilon(1, delta), central_epsilon(2, delta)], rel=1e-9)
+    assert all(s["mode"] == "central" and s["clip_norm"] == 1.0 and s["delta"] == delta
+               and 0 <= s["clipped_fraction"] <= 1 and s["clipped_by_server"] == 0
+               for s in spent)
+    assert results["final"]["privacy"] == spent[-1]
+    assert all("dropped" not in r for r in results["rounds"])
+    assert f"epsilon {spent[-1]['epsilon']:.3f} at delta" in run.output
+    assert "[round 3/3] not run: dp.target-epsilon=" in run.output
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.value for e in events.Scalars("privacy/epsilon")] == pytest.approx(
+        [s["epsilon"] for s in spent], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["pfedc", "factorized-fl", "fedfac"])
+def test_local_dp_runs_every_method_that_sends_more_than_a_mean(private_runs, method):
+    """The methods whose server reads each client's upload (branches, matching vectors,
+    factor-analysis rows) run under local DP: every round's epsilon is the most-drawn
+    client's, and every noised uplink still fits the method's wire spec (no drop)."""
+    _, results = private_runs.reference(method, **{"dp.mode": "local",
+                                                   "dp.noise-multiplier": NOISE})
+    check_results_schema(results, method, num_rounds=REFERENCE["num-server-rounds"],
+                         num_clients=REFERENCE_CLIENTS)
+    epsilons = [r["privacy"]["epsilon"] for r in results["rounds"]]
+    assert epsilons == sorted(epsilons) and epsilons[0] > 0
+    assert all(r["privacy"]["clipped_fraction"] is None for r in results["rounds"])
+    assert all("dropped" not in r for r in results["rounds"])
