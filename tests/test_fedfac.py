@@ -1,33 +1,24 @@
-"""FedFac: factor analysis, quantile split, static split on the wire, FedAvg equivalence."""
+"""FedFac's server side: factor analysis, quantile split, reference splits, static and
+dynamic splitting, server learning rate (its clients: ``tests/test_fedfac_clients.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
-from torch import nn
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
-from client_app.runtime import Client
-from common.config import ConfigError
-from common.protocol import ARRAYS, METRICS, TASK_ACCURACY, ClientReply
-from models import build_backbone
-from models.fedfac import analysed_layers, element_keys, forward_layers, weighted_layers
+from common.protocol import ClientReply
 from strategies.engine import MethodRule, RoundEngine
-from strategies.fedfac import client as fedfac_client
 from strategies.fedfac.server import (
     FedFacRule,
     factor_count,
     principal_axis_loadings,
     shared_elements,
 )
-from strategies.fedfac.spec import MASK_PREFIX, MEMBER_PREFIX
-from strategies.registry import build_model, initial_state, load_settings, wire_spec
-from strategies.training import LocalTraining, accuracy_scores, evaluate_model
-from tests.conftest import app_config, read_results
+from strategies.registry import initial_state, load_settings, wire_spec
+from tests.conftest import app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +105,7 @@ def test_quantile_above_one_is_personal_below_zero_is_shared():
     assert shared_elements(_sampled_weights(), 0.85, -0.5)[0].all()
 
 
-def _rule(settings, wire=None, rule=FedFacRule) -> MethodRule:
+def fedfac_rule(settings, wire=None, rule=FedFacRule) -> MethodRule:
     """A method's server rule as a run's engine holds it."""
     return RoundEngine(settings, wire or wire_spec(settings), rule).rule
 
@@ -130,7 +121,7 @@ def _mlp_strategy(**overrides) -> FedFacRule:
         "method": "fedfac", "dataset": "synthetic-fedfac", "model": "mlp", "mlp-hidden": 16,
         "synthetic.dim": 60, "synthetic.hidden": 16, "fedfac.kappa": 0.25,
         "fedfac.tau-quantile": 10 / 16, **overrides}))
-    return _rule(settings)
+    return fedfac_rule(settings)
 
 
 def _replies_around(arrays: ArrayRecord, layer_weights: list[np.ndarray]) -> list[ClientReply]:
@@ -260,263 +251,3 @@ def test_server_lr_moves_the_shared_part_that_fraction_of_the_way_to_the_mean():
                                0.5 * (moved[1.0]["body.1.weight"].numpy() - start),
                                rtol=1e-4, atol=1e-7)
     assert not np.allclose(moved[1.0]["body.1.weight"].numpy(), start)
-
-
-DIGITS = (1, 8, 8)
-
-
-def test_layer_selection_and_element_keys():
-    model = build_model(load_settings(app_config(method="fedfac")))
-    assert analysed_layers(model, "0", DIGITS) == ["body.0"]
-    assert analysed_layers(model, "body.4, -2", DIGITS) == ["body.4", "body.9"]
-    assert analysed_layers(model, "-4, 1, 2", DIGITS) == ["body.0", "body.4", "body.9"]
-    assert element_keys(model, "body.0") == ["body.0.weight", "body.1.weight", "body.1.bias",
-                                             "body.1.running_mean", "body.1.running_var"]
-    assert element_keys(model, "body.9") == ["body.9.weight", "body.9.bias"]
-    with pytest.raises(ConfigError, match=r"fedfac\.layers"):
-        load_settings(app_config(**{"method": "fedfac", "fedfac.layers": "9"}))
-
-
-def test_defaults_are_the_papers_deepest_hidden_layer_and_90_percent_quantile():
-    """Pinned to the paper: ``fedfac.layers = "-2"``, the hidden layer that feeds the
-    classifier (the paper splits the deepest hidden layers, section 5.3; the authors' scripts
-    analyse ResNet-18's last conv, ``--partial_cnn_layer 20``, VGG16's last hidden Linear,
-    ``15``, and the Shakespeare model's hidden Linear, ``4``, never the classifier).
-    ``fedfac.tau-quantile = 0.9``: the paper's optimum under strong heterogeneity is the
-    90-95% quantile (Table 5, as the review reports it); the authors' FEMNIST script passes
-    ``--threshold_p --threshold 90``, and their strongest-skew CIFAR scripts make the whole
-    layer personal."""
-    settings = load_settings(app_config(method="fedfac"))
-    assert settings.method_settings.layers == "-2"
-    assert settings.method_settings.tau_quantile == 0.9
-    assert wire_spec(settings).layers == ["body.9"]  # digits CNN: the 128-unit hidden Linear
-
-
-@pytest.mark.parametrize(("model", "shape", "penultimate"), [
-    ("mlp", (64,), "body.1"),
-    ("cnn", DIGITS, "body.9"),
-    ("lenet5", (1, 28, 28), "body.11"),
-    ("resnet8", (3, 32, 32), "body.5.conv2"),     # not the last block's shortcut (side branch)
-    ("resnet9", (3, 32, 32), "body.16.block.3"),
-    ("resnet18", (3, 32, 32), "body.10.conv2"),
-    ("user_models:classifier_first", DIGITS, "body.hidden"),  # registered before its input
-    ("user_models:resnet18", DIGITS, "body.layer4.1.conv2"),
-])
-def test_minus_two_is_the_layer_before_the_classifier_on_every_backbone(model, shape,
-                                                                       penultimate):
-    """Indices count layers in forward order, whatever the registration order; a layer that
-    reads the tensor an earlier layer read (a projection shortcut) has no index but a name;
-    the classifier is ``-1`` and is refused."""
-    torch.manual_seed(0)
-    backbone = build_backbone(model, shape, 10)
-    order = forward_layers(backbone, shape)
-    assert order[-1] == "head" and order[-2] == penultimate
-    assert analysed_layers(backbone, "-2", shape) == [penultimate]
-    assert analysed_layers(backbone, "0", shape) == [order[0]]
-    assert isinstance(backbone.get_submodule(penultimate), nn.Linear | nn.Conv2d)
-    for classifier in ("-1", "head", str(len(order) - 1)):
-        with pytest.raises(ConfigError, match=r"fedfac\.layers: .* is the classifier 'head'"):
-            analysed_layers(backbone, classifier, shape)
-    shortcuts = [n for n in weighted_layers(backbone) if "shortcut" in n or "downsample" in n]
-    assert not set(shortcuts) & set(order)
-    if shortcuts:  # chosen by name
-        assert analysed_layers(backbone, shortcuts[-1], shape) == [shortcuts[-1]]
-
-
-def test_the_classifier_is_refused_at_start_with_one_line():
-    with pytest.raises(ConfigError, match=r"^fedfac\.layers: '-1' is the classifier") as error:
-        load_settings(app_config(**{"method": "fedfac", "fedfac.layers": "-1"}))
-    assert "\n" not in str(error.value)
-
-
-def _client(pid: int, **overrides) -> Client:
-    return Client.from_context(Context(
-        run_id=1, node_id=pid, node_config={"partition-id": pid, "num-partitions": 4},
-        state=RecordDict(), run_config=app_config(**{
-            "method": "fedfac", "fedfac.layers": "0", **overrides})))  # the tests: body.0
-
-
-def _reply(client: Client, received: ArrayRecord) -> ClientReply:
-    model = client.model(received)
-    torch.manual_seed(client.partition_id)
-    client.method.local_train(LocalTraining(model, client.loader(True, 1), client.settings,
-                                            client.device, 1))
-    return ClientReply(client.partition_id, client.client_id,
-                       client.shared_arrays(model, received),
-                       MetricRecord({"num-examples": len(client.data().y_train)}),
-                       ConfigRecord({"client-id": client.client_id}))
-
-
-def test_all_shared_layer_equals_fedavg():
-    overrides = {"fedfac.layers": "0,1", "fedfac.tau-quantile": -1.0}
-    clients = [_client(pid, **overrides) for pid in range(3)]
-    settings = clients[0].settings
-    initial = initial_state(settings).arrays
-    replies = [_reply(c, initial) for c in clients]
-    wire = wire_spec(settings)
-    fedfac = _rule(settings, wire).merge_updates(1, replies, initial)
-    fedavg = _rule(settings, wire, MethodRule).merge_updates(1, replies, initial)
-    assert set(fedfac) == set(fedavg)
-    for key in fedavg:
-        np.testing.assert_allclose(fedfac[key].numpy(), fedavg[key].numpy(), rtol=1e-5,
-                                   atol=1e-6)
-
-
-def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server():
-    client = _client(0)
-    initial = initial_state(client.settings).arrays
-    strategy = _rule(client.settings, client.wire)
-    model = client.model(initial)
-    with torch.no_grad():
-        model.body[0].weight.add_(1.0)  # this client's own conv kernels
-    client.keep_personal(model, initial, client.shared_arrays(model, initial))
-    own = model.body[0].weight.detach().clone()
-    strategy.split = {"body.0": np.arange(32) % 4 == 0}   # 8 shared channels
-    down = strategy.downlink(2, "0", initial)
-    assert down["body.0.weight"].shape[0] == 8 and f"{MASK_PREFIX}body.0" in down
-    merged = client.model(down).body[0].weight.detach()
-    mask = torch.from_numpy(strategy.split["body.0"])
-    torch.testing.assert_close(merged[~mask], own[~mask])
-    torch.testing.assert_close(merged[mask], torch.from_numpy(initial["body.0.weight"].numpy())[
-        mask])
-    sent = client.shared_arrays(client.model(down), down)
-    assert sent["body.0.weight"].shape[0] == 8  # static: personal rows are not sent
-
-
-def test_whole_layer_personal_sends_no_rows():
-    client = _client(0, **{"fedfac.tau-quantile": 2.0})
-    initial = initial_state(client.settings).arrays
-    strategy = _rule(client.settings, client.wire)
-    strategy.merge_updates(1, [_reply(client, initial), _reply(_client(1), initial)],
-                              initial)
-    assert not strategy.split["body.0"].any()
-    down = strategy.downlink(2, "0", initial)
-    assert down["body.0.weight"].shape[0] == 0
-
-
-def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
-    """LocalTrain: the new client takes the shared part and trains only the personal rows of
-    the analysed layers; shared rows and every other parameter stay as received, and the
-    accuracy it reports is that model's."""
-    client = _client(3, **{"local-epochs": 1})
-    initial = initial_state(client.settings).arrays
-    strategy = _rule(client.settings, client.wire)
-    strategy.split = {"body.0": np.arange(32) % 4 == 0}
-    down = strategy.downlink(0, None, initial)
-    scored = []
-
-    def spy(model, loader, device):
-        scored.append(model)
-        return evaluate_model(model, loader, device)
-
-    monkeypatch.setattr(fedfac_client, "evaluate_model", spy)
-    reply = fedfac_client.local_train_personal_rows(
-        client, SimpleNamespace(content=RecordDict({ARRAYS: down})))
-    (model,) = scored
-    start = dict(_fresh(client).named_parameters())
-    shared = torch.from_numpy(strategy.split["body.0"])
-    element_keys_of = set(client.wire.layer_of_key)
-    for name, value in model.named_parameters():
-        value = value.detach().cpu()
-        if name in element_keys_of:
-            torch.testing.assert_close(value[shared], start[name].detach()[shared])
-            assert not torch.equal(value[~shared], start[name].detach()[~shared]), name
-        else:
-            torch.testing.assert_close(value, start[name].detach(), rtol=0, atol=0)
-    scores = evaluate_model(model, client.loader(False), client.device)
-    assert reply[METRICS]["accuracy"] == scores.accuracy
-    assert reply[METRICS][TASK_ACCURACY] == scores.task_accuracy
-
-
-def _fresh(client: Client) -> torch.nn.Module:
-    """The model a new client starts from (the seeded initialisation; its shared rows equal
-    the server's initial arrays)."""
-    return client.method.build_model(client.settings)
-
-
-def _accuracy(predict, client: Client) -> float:
-    correct = count = 0
-    with torch.no_grad():
-        for x, y in client.loader(False):
-            correct += int((predict(x).argmax(1) == y).sum())
-            count += len(y)
-    return correct / count
-
-
-def test_new_client_ensemble_averages_the_members_softmax():
-    """Ensemble: the new client's accuracy is that of the mean softmax of the members'
-    personalized models; the mean of their logits, one member alone and the shared model
-    alone each score differently on this client, so none of them passes for it."""
-    client = _client(3)
-    trainer = _client(0, **{"local-epochs": 2})
-    trained = trainer.model(initial_state(trainer.settings).arrays)
-    torch.manual_seed(0)
-    trainer.method.local_train(LocalTraining(trained, trainer.loader(True, 1), trainer.settings,
-                                             trainer.device, 1))
-    shared = trained.state_dict()
-    base = ArrayRecord({k: Array(shared[k].numpy()) for k in client.wire.shared_keys})
-    generator = torch.Generator().manual_seed(0)
-    members, models = {}, []
-    for i in range(3):
-        state = dict(shared)
-        for key in client.wire.always_personal:
-            if key.endswith(("weight", "bias")):
-                state[key] = state[key] + torch.randn(state[key].shape, generator=generator)
-            members[f"{MEMBER_PREFIX}{i}.{key}"] = Array(state[key].numpy())
-        model = _fresh(client)
-        model.load_state_dict(state)
-        models.append(model.eval())
-    reply = fedfac_client.ensemble_accuracy(client, SimpleNamespace(
-        content=RecordDict({ARRAYS: ArrayRecord({**dict(base.items()), **members})})))
-    softmax = _accuracy(lambda x: torch.stack([m(x).softmax(1) for m in models]).mean(0),
-                        client)
-    assert reply[METRICS]["accuracy"] == pytest.approx(softmax)
-    with torch.no_grad():  # its task accuracy is of the same ensemble predictions
-        scored = [(torch.stack([m(x).softmax(1) for m in models]).mean(0).argmax(1), y)
-                  for x, y in client.loader(False)]
-    assert reply[METRICS][TASK_ACCURACY] == pytest.approx(accuracy_scores(
-        torch.cat([p for p, _ in scored]), torch.cat([y for _, y in scored]))[1])
-    alone = _fresh(client)
-    alone.load_state_dict(shared)
-    alternatives = [_accuracy(lambda x: torch.stack([m(x) for m in models]).mean(0), client),
-                    _accuracy(models[0], client), _accuracy(alone.eval(), client)]
-    assert all(a != pytest.approx(softmax) for a in alternatives), (softmax, alternatives)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("mode", ["static", "dynamic"])
-def test_real_rounds_split_on_the_wire(federation, tmp_path, mode):
-    run = federation.run(ROOT, {"method": "fedfac", "fedfac.mode": mode,
-                                "fedfac.layers": "0,1", "fedfac.tau-quantile": 0.5,
-                                "num-server-rounds": 3, "local-epochs": 1, "plot": False,
-                                "fedfac.new-clients": 0.25, "output-dir": str(tmp_path)},
-                       num_supernodes=4)
-    assert run.ok, run.output[-3000:]
-    results = read_results(tmp_path)
-    rounds = results["rounds"]
-    # partition 3 is a new client: never trained or evaluated in the rounds...
-    assert all(r["train"]["num_clients"] == 3 for r in rounds)
-    assert all(sorted(r["eval"]["per_client"]) == ["0", "1", "2"] for r in rounds)
-    # ...then evaluated with LocalTrain and with the Ensemble of the 3 existing clients
-    new = results["new_clients"]
-    assert new["clients"] == ["3"] and new["ensemble_members"] == 3
-    for name in ("localtrain", "ensemble"):
-        assert 0.0 <= new[name]["per_client"]["3"] <= 1.0
-        assert 0.0 <= new[name]["accuracy_task_mean"] <= 1.0
-    # its traffic is counted, apart from the rounds': down, the shared part and then the
-    # shared part with 3 members (more than a trained client's downlink); up, the members
-    per_client_down = rounds[-1]["bytes_down_train"] / rounds[-1]["train"]["num_clients"]
-    assert new["bytes_down"] > 2 * per_client_down and new["bytes_up"] > 0
-    assert results["final"]["bytes_down_total"] == sum(r["bytes_down"] for r in rounds)
-    assert all("dropped" not in r for r in rounds)   # uplink shapes matched the split
-    analysed = [r["round"] for r in rounds if "fedfac" in r]
-    assert analysed == ([1] if mode == "static" else [1, 2, 3])
-    report = rounds[0]["fedfac"]["body.0"]
-    assert report["num_shared"] == 16 and report["num_elements"] == 32
-    if mode == "static":
-        # after the split only shared rows go up: fewer bytes than the full layers of round 1
-        assert rounds[1]["bytes_up"] < rounds[0]["bytes_up"]
-        assert rounds[2]["bytes_up"] == rounds[1]["bytes_up"]
-    else:
-        assert rounds[1]["fedfac"]["body.0"]["kept_fraction"] is not None
-    assert rounds[1]["bytes_down_train"] < rounds[0]["bytes_down_train"]

@@ -1,10 +1,9 @@
 """The evidence matrix (bench/matrix.py): equal tuning budgets, cells that resume, a report
-computed from the stored runs, and the claim verdicts."""
+computed from the stored runs (its verdicts: tests/test_matrix_claims.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import subprocess
 
@@ -13,10 +12,8 @@ import pytest
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
-from bench.evidence.claims import claim_line, claims, undecided
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import ablation_table, write_report
-from launch.comparison import config_tag
+from bench.evidence.report import write_report
 from tests.conftest import ROOT
 
 COMMON_DIGITS = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
@@ -196,142 +193,6 @@ def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
         "lr": 0.05, "feddecomp.rank-conv": 0.25, "feddecomp.rank-linear": 0.25}
     assert protocol.expand({"feddecomp.rank": 0.25, "feddecomp.rank-conv": 1.0}) == {
         "feddecomp.rank-conv": 1.0, "feddecomp.rank-linear": 0.25}
-
-
-def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True) -> dict:
-    """A row as ``row_stats`` gives it, from its per-seed figures (seeds 1, 2, ...)."""
-    return {"per_seed": {seed: {"accuracy": a} for seed, a in enumerate(per_seed, 1)},
-            "accuracy": (statistics.fmean(per_seed), 0.0), "mb_up": (mb_up, 0.0),
-            "seeds": len(per_seed), "tuned": tuned}
-
-
-def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
-    # Flower's FAB manifest is comma-separated: such a name under the app breaks `flwr run .`
-    path = protocol.cell_path(ROOT, "dirichlet-0.1", "fedfac@dynamic", "tune",
-                            {"lr": 0.02, "fedfac.tau-quantile": 0.3}, 0)
-    assert "," not in path.name and "lr=0.02" in path.name
-
-
-def test_claims_are_judged_on_the_paired_interval_against_the_strongest_reference():
-    base = [0.60, 0.62, 0.58, 0.61, 0.59]
-
-    def shifted(by: list[float]) -> list[float]:
-        return [b + d for b, d in zip(base, by, strict=True)]
-
-    stats = {
-        "dirichlet-0.1": {
-            "fedavg": _row(base),
-            # +6 points on every seed, give or take 0.3: the interval clears +5
-            "feddecomp": _row(shifted([0.060, 0.063, 0.057, 0.061, 0.059])),
-            "fedper": _row(shifted([0.065] * 5)), "fedrep": _row(shifted([0.10] * 5)),
-            # +6 points on average, but one seed -4: the interval does not clear +3
-            "fedfac": _row(shifted([0.10, 0.10, -0.04, 0.08, 0.06])),
-        },
-        "permuted-labels": {"factorized-fl": _row(shifted([0.0] * 5), mb_up=0.4),
-                            "local": _row(shifted([0.002, -0.001, 0.0, 0.001, 0.0])),
-                            "fedavg": _row(base, mb_up=10.0)},
-        "pathological-2": {"pfedc": _row(shifted([0.3] * 5)), "fedavg": _row(base),
-                           "fedrep": _row(shifted([0.3] * 5)[:4])},  # 4 seeds of 5
-    }
-    same_size = config_tag(protocol.SAME_SIZE_RANDOM_SPLIT)
-    ablated = {("dirichlet-0.1", "fedfac", same_size): {
-        "seeds": 5, "per_seed": stats["dirichlet-0.1"]["fedfac"]["per_seed"]}}
-    judged = {c["claim"]: c for c in claims(stats, ablated)}
-    decomp = judged["FedDecomp >= FedAvg + 5 points on Dirichlet 0.1"]
-    assert decomp["verdict"] == "held" and decomp["reference"] == "fedavg"
-    assert decomp["ci95"][0] >= 0.05 and len(decomp["paired_diffs"]) == 5
-    assert abs(decomp["mean_diff"] - 0.06) < 1e-9
-    # judged against the stronger of FedPer and FedRep: FedRep, +10 points
-    best = judged["FedDecomp not below the best of FedPer/FedRep by more than 1 point"]
-    assert best["reference"] == "fedrep" and best["verdict"] == "did not hold"
-    fedfac = judged["FedFac (fedfac) >= FedAvg + 3 points on Dirichlet 0.1"]
-    assert fedfac["mean_diff"] >= 0.03 and fedfac["verdict"] == "did not hold"
-    assert fedfac["interval"] == "across the margin"
-    assert decomp["interval"] == "above the margin" and best["interval"] == "below the margin"
-    # equal to its same-size random split on every seed: an interval of [0, 0] clears -1
-    split = ("FedFac ({}) split not below a random split of the same size by more than 1 point "
-             "on Dirichlet 0.1")
-    assert judged[split.format("fedfac")]["verdict"] == "held"
-    assert judged[split.format("fedfac@dynamic")]["verdict"] == "not measured"
-    # the best baseline needs every baseline's row; then it is FedRep, the highest mean
-    best_baseline = "feddecomp not below the best baseline by more than 1 point on dirichlet-0.1"
-    assert judged[best_baseline]["verdict"] == "not measured"
-    for label in ("fedprox", "local", "fedbn", "fedavg-ft"):
-        stats["dirichlet-0.1"][label] = _row(base)
-    judged = {c["claim"]: c for c in claims(stats, ablated)}
-    assert judged["feddecomp not below the best baseline by more than 1 point on "
-                  "dirichlet-0.1"]["reference"] == "fedrep"
-    permuted = ("Factorized-FL >= Local - 1 point on permuted-labels at <= 1/20 of FedAvg's "
-                "uplink")
-    assert judged[permuted]["verdict"] == "held"
-    assert judged[permuted]["uplink_share_of_fedavg"] == 0.04
-    # not worse by more than a point, but not better either: the paper's gain (+4 points)
-    # lies outside the interval, so it did not reproduce
-    assert judged[permuted]["superiority"] == "did not hold"
-    assert judged[permuted]["paper_effect"] == pytest.approx(0.04)
-    assert judged[permuted]["paper_effect_excluded"] is True
-    assert decomp["superiority"] == "held" and decomp["paper_effect"] is None
-    assert decomp["paper_effect_excluded"] is False
-    # FedFac's interval (about -1.5 to +13.9 points) holds its paper's +2.7: not excluded
-    assert fedfac["paper_effect"] == pytest.approx(0.0274)
-    assert fedfac["paper_effect_excluded"] is False and fedfac["superiority"] == "did not hold"
-    line = claim_line(judged[permuted])
-    assert "better at all: did not hold" in line and "paper +4.0" in line
-    assert "**not reproduced**" in line
-    stats["permuted-labels"]["factorized-fl"]["mb_up"] = (0.6, 0.0)  # 6% of FedAvg's
-    assert {c["claim"]: c for c in claims(stats)}[permuted]["verdict"] == "did not hold"
-    # a reference with 4 report seeds of 5, or a row not tuned, gives no verdict
-    assert judged["pFedC not below FedRep by more than 1 point on pathological-2"][
-        "verdict"] == "not measured"
-    assert judged["pFedC >= FedAvg + 5 points on pathological-2"]["verdict"] == "held"
-    stats["pathological-2"]["pfedc"]["tuned"] = False
-    assert {c["claim"]: c for c in claims(stats)}[
-        "pFedC >= FedAvg + 5 points on pathological-2"]["verdict"] == "not measured"
-
-
-def test_an_undecided_claim_gets_extra_seeds_for_its_row_and_reference_once():
-    base = [0.60, 0.62, 0.58, 0.61, 0.59]
-    # FedDecomp -0.5 points from FedPer, give or take a point: across the -1 margin
-    noisy = [b + d for b, d in zip(base, [0.005, -0.015, 0.01, -0.02, -0.005], strict=True)]
-    stats = {"dirichlet-0.1": {"fedavg": _row(base), "fedper": _row(base),
-                               "fedrep": _row([b - 0.1 for b in base]),
-                               "feddecomp": _row(noisy)}}
-    judged = {c["claim"]: c for c in claims(stats)}
-    best = judged["FedDecomp not below the best of FedPer/FedRep by more than 1 point"]
-    assert best["interval"] == "across the margin"
-    assert undecided(list(judged.values())) == {("dirichlet-0.1", "feddecomp"),
-                                                ("dirichlet-0.1", "fedper")}
-    # once they have run the extra seeds, the rule adds no more, whatever the verdict
-    more = protocol.REPORT_SEEDS + protocol.EXTRA_SEEDS
-    stats["dirichlet-0.1"]["fedper"] = _row(base + base)
-    stats["dirichlet-0.1"]["feddecomp"] = _row(noisy + noisy)
-    judged = claims(stats)
-    assert len(more) == 10 and undecided(judged) == set()
-
-
-def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
-    """As a claim is judged: per seed against its row, on the seeds both have."""
-    row = _row([0.60, 0.62, 0.58, 0.61, 0.59]) | {"config": "lr=0.02"}
-    gains = [0.060, 0.063, 0.057, 0.061, 0.059]
-    probe = protocol.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
-
-    def table(per_seed: list[float], seeds: list[int]) -> str:
-        ablation = {seed: {"accuracy": a} for seed, a in zip(seeds, per_seed, strict=True)}
-        return ablation_table({("dirichlet-0.1", "feddecomp", "feddecomp.rank=1.0"): {
-            "ablation": probe, "row": row, "seeds": len(seeds), "per_seed": ablation,
-            "accuracy": (statistics.fmean(per_seed), 0.0), "accuracy_min": (0.5, 0.0)}})
-
-    shifted = [a["accuracy"] + g for a, g in zip(row["per_seed"].values(), gains, strict=True)]
-    last = table(shifted, [1, 2, 3, 4, 5]).splitlines()[-1]
-    mean, low, high = map(float, re.search(r"\| ([+-][\d.]+) \[([+-][\d.]+), ([+-][\d.]+)\] \|$",
-                                           last).groups())
-    assert mean == 6.0 and 5.0 < low < mean < high < 7.0  # +6 give or take 0.3 on each seed
-    # an ablation run on seeds 2 and 4 only is paired with the row's seeds 2 and 4 (+6.2),
-    # not with the row's mean over all five (+7.7)
-    assert table([shifted[1], shifted[3]], [2, 4]).splitlines()[-1].endswith(
-        "| +6.2 [+4.9, +7.5] |")
-    # one common seed: the difference alone
-    assert table([0.70], [5]).splitlines()[-1].endswith("| +11.0 |")
 
 
 @pytest.mark.integration
