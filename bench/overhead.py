@@ -49,7 +49,7 @@ from bench.report import write_report  # noqa: E402
 from client_app.runtime import Client  # noqa: E402
 from launch.app_project import app_defaults  # noqa: E402
 from launch.federation import LocalFederation, warm_federation  # noqa: E402
-from launch.forkserver import ForkServer  # noqa: E402
+from launch.warm_start import ForkServer  # noqa: E402
 from strategies.registry import build_model  # noqa: E402
 from strategies.training import LocalTraining, evaluate_model  # noqa: E402
 

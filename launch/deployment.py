@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from launch.federation import FlowerRun, LocalFederation
-from launch.forkserver import ForkServer
 from launch.processes import free_port
 from launch.run_config import check_run_config
+from launch.warm_start import ForkServer
 
 
 def _ip(*args: str) -> None:

@@ -6,13 +6,12 @@ instead start their own ``flower-superlink --simulation`` on free ports with the
 ``FLWR_HOME`` (the CLI finds it by port, exactly as it finds its managed one), and stop it,
 with every process it started, on exit. A run is started in-process with the requests
 ``flwr run --stream`` sends to the SuperLink's Control API (``LocalFederation.flwr_run``);
-``flwr`` itself works against the same SuperLink (``flwr ls``, ``flwr log``).
+``flwr`` itself works against the same SuperLink (``flwr ls``, ``flwr log``). ``ray_address``
+(``--ray-address``) attaches the simulation to a running Ray cluster instead of a private Ray
+instance: the SuperLink and its ``flwr-simulation`` get ``RAY_ADDRESS``.
 
     with LocalFederation() as federation:
         completed = federation.run(".", {"method": "fedper"}, num_supernodes=4)
-
-``ray_address`` (``--ray-address``) attaches the simulation to a running Ray cluster instead of
-a private Ray instance: the SuperLink and its ``flwr-simulation`` get ``RAY_ADDRESS``.
 
 Command line (used by scripts/demo.sh):  python -m launch.federation [--supernodes N]
 [--cpus-per-client C] [--gpus-per-client G] [--ray-address HOST:PORT] [key=value ...]
@@ -41,19 +40,19 @@ from typing import Any
 from common.config import ConfigError
 from launch.app_project import app_defaults, bundle_files
 from launch.control_api import finished, list_runs, run_record, start_run
-from launch.forkserver import ForkServer
 from launch.processes import free_port, stop_process_groups
 from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
 from launch.run_output import RAY_GPU_TIP, RESULTS_WRITTEN, is_noise, save_run_log
+from launch.warm_start import ForkServer
 
 SUPEREXEC_POLL_SECONDS = 0.1
 STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
-# after the run has finished, for its last lines: the SuperLink ends the stream at its next
-# 0.5 s tick, late on busy cores; a stream that ends sooner ends the wait sooner
-STREAM_GRACE_SECONDS = 10.0
+STREAM_GRACE_SECONDS = 10.0  # for a finished run's last lines (the stream's 0.5 s tick)
 # Flower's words before the ServerApp's exception in a failed run's status details
 FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -62,9 +61,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 class FlowerRun:
     """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
 
-    # 0: the run ended (``status`` says how); 1: it was not started, or its SuperLink exited
-    # or could not say how it ended (``output`` says why); 124: it had not ended within the
-    # launcher's timeout, and was stopped
+    # 0: the run ended (``status`` says how); 1: not started, or its SuperLink exited or could
+    # not say how it ended (``output`` says why); 124: not ended within the timeout, stopped
     returncode: int
     output: str
     run_id: str | None

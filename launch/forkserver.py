@@ -1,34 +1,32 @@
 """Flower's per-run and per-message processes started warm: forked from a process that has
 already imported Flower, PyTorch and Ray, instead of started and imported from scratch.
 
-Flower 1.41 starts a fresh ``flwr-simulation`` process for every run and a fresh
-``flwr-clientapp`` process for every message a SuperNode receives; each first spends 2-4 s
-of CPU importing Flower, PyTorch and Ray before doing 0.05-0.5 s of work. Flower finds both
-commands on ``PATH``, so a launcher that puts ``ForkServer.bin_dir`` first on the ``PATH`` of
-the SuperLink or SuperNode it starts gets them from here:
+Flower starts a fresh ``flwr-simulation`` process for every run and a fresh ``flwr-clientapp``
+for every message a SuperNode receives; each spends 2-4 s of CPU importing Flower, PyTorch and
+Ray before 0.05-0.5 s of work. Flower finds both commands on ``PATH``; a launcher that puts
+``ForkServer.bin_dir`` first on the ``PATH`` of the SuperLink or SuperNode it starts gets
+them from here:
 
-- the fork server (``python -P launch/forkserver.py SOCKET COMMANDS``) imports the modules
-  both commands need once, then waits on a Unix socket;
-- each command on ``bin_dir`` is a small shim (stdlib only, ~0.04 s) that hands the server
-  its arguments, environment, working folder and standard streams; the server forks a child
-  that takes them over and calls the same Flower entry point the real command calls;
-- the shim forwards SIGTERM/SIGINT/SIGHUP to the child and exits as the child exits (with
-  its code, or by its signal); a child whose shim is gone (SIGKILL of its process group) is
-  stopped; with no fork server reachable, the shim runs the real command instead;
-- a shim in another network namespace (a site of ``LocalDeployment(namespaces=True)``) gets
-  a child that joins its namespace; where the server may not (not root), it refuses, and
-  the shim runs the real command.
+- the fork server (``python -P launch/forkserver.py SOCKET COMMANDS``) imports what both
+  commands need once, then waits on a Unix socket;
+- each command on ``bin_dir`` is a stdlib-only shim (~0.04 s) that hands the server its
+  arguments, environment, working folder and standard streams; the server forks a child that
+  takes them over and calls the entry point the real command calls;
+- the shim forwards SIGTERM/SIGINT/SIGHUP to the child and exits as it exits (its code, or its
+  signal); a child whose shim is gone (SIGKILL of its process group) is stopped; with no fork
+  server reachable, the shim runs the real command;
+- a shim in another network namespace (``LocalDeployment(namespaces=True)``) gets a child that
+  joins it; where the server may not (not root), the shim runs the real command.
 
-The child's seeds are unaffected: the app seeds everything it uses from its run config.
-Python's and NumPy's global generators are re-seeded from the OS in every child, as in a new
-process, and PyTorch's threads follow the child's ``OMP_NUM_THREADS`` as they would there.
+Seeds are unaffected: the app seeds what it uses from its run config; Python's and NumPy's
+global generators are re-seeded from the OS in every child, and PyTorch's threads follow the
+child's ``OMP_NUM_THREADS``, as in a new process. The app's SuperExec image
+(``deploy/superexec.Dockerfile``) starts ``flower-superexec`` this way too
+(``python -P forkserver.py --exec flower-superexec ARGS...``), so a site's ClientApps and the
+ServerApp start warm in a container. This file must stay self-contained (the image copies it
+alone).
 
-    with ForkServer() as forks, LocalFederation(forkserver=forks) as federation: ...
-
-The app's SuperExec image (``deploy/superexec.Dockerfile``) starts its ``flower-superexec``
-the same way, so that a site's ClientApps and the ServerApp start warm in a container too:
-
-    python -P forkserver.py --exec flower-superexec ARGS...
+A launcher's handle on a fork server of its own is ``launch/warm_start.py: ForkServer``.
 """
 
 from __future__ import annotations
@@ -97,63 +95,13 @@ sys.exit(status)
 '''
 
 
-class ForkServer:
-    """A fork server for ``commands`` (name: ``module:function``, default ``COMMANDS``;
-    ``import_path``: where to import other ones from) and their shims in ``bin_dir``
-    (context manager); stopped, with every child it forked, on exit."""
-
-    def __init__(self, commands: Mapping[str, str] | None = None,
-                 import_path: Sequence[str | Path] = ()) -> None:
-        self.commands = dict(COMMANDS if commands is None else commands)
-        # folders the server imports commands from (not passed on to its children)
-        self.import_path = [str(Path(folder).resolve()) for folder in import_path]
-        self.folder = _private_folder()
-        self.socket_path = self.folder / "socket"
-        self.bin_dir = self.folder / "bin"
-        self.log = self.folder / "forkserver.log"
-        self.process: subprocess.Popen | None = None
-
-    def env(self) -> dict[str, str]:
-        """What a launcher adds to the environment of the processes that start COMMANDS:
-        the socket, and ``bin_dir`` as the ``PATH`` entry to put first."""
-        return {SOCKET_ENV: str(self.socket_path), "PATH": str(self.bin_dir)}
-
-    def __enter__(self) -> ForkServer:
-        write_shims(self.bin_dir, self.commands)
-        env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-        env.update(IMPORT_TIME_ENV)
-        env["PYTHONPATH"] = os.pathsep.join([*self.import_path, *_pythonpath(env)])
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                _server_command(self.socket_path, self.commands), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
-        ready = self.process.stdout.read(len(READY)) if _readable(
-            self.process.stdout, START_TIMEOUT_SECONDS) else b""
-        if ready != READY:
-            self.__exit__(None, None, None)
-            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
-            raise RuntimeError(f"the fork server did not start: {' '.join(tail) or 'no output'}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # here, not at the top: the server runs this file with no package on its path
-        from launch.processes import stop_process_groups
-
-        if self.process is not None:
-            stop_process_groups(self.process, 10)  # the server and any child still running
-            for pipe in (self.process.stdin, self.process.stdout):
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _private_folder() -> Path:
+def private_folder() -> Path:
     """Where a fork server's socket and shims live: a Unix socket's path must stay short,
     so a private folder under /tmp."""
     return Path(tempfile.mkdtemp(prefix="pflower-fork-", dir="/tmp"))
 
 
-def _server_command(socket_path: Path, commands: Mapping[str, str]) -> list[str]:
+def server_command(socket_path: Path, commands: Mapping[str, str]) -> list[str]:
     """The fork server's command line. -P and the file's path: neither the launcher's folder
     nor the repository is on the server's import path, so that a child imports what the real
     command would."""
@@ -182,7 +130,7 @@ def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str],
     that is not ready by then raises RuntimeError (its last log line), ``argv`` not started.
     The server keeps the environment, and stops when ``argv``'s process is gone (it holds
     the server's stdin)."""
-    folder = _private_folder()
+    folder = private_folder()
     bin_dir = folder / "bin"
     write_shims(bin_dir, commands)
     socket_path = folder / "socket"
@@ -190,12 +138,12 @@ def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str],
     log = folder / "forkserver.log"
     with log.open("wb") as errors:
         server = subprocess.Popen(
-            _server_command(socket_path, commands), stdin=read_end,
+            server_command(socket_path, commands), stdin=read_end,
             stdout=subprocess.DEVNULL if wait is None else subprocess.PIPE, stderr=errors,
             start_new_session=wait is None)
     os.close(read_end)
     if wait is not None:
-        ready = server.stdout.read(len(READY)) if _readable(server.stdout, wait) else b""
+        ready = server.stdout.read(len(READY)) if readable(server.stdout, wait) else b""
         server.stdout.close()
         if ready != READY:
             os.close(write_end)  # the server stops: its launcher is gone
@@ -210,7 +158,7 @@ def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str],
     os.execvpe(argv[0], list(argv), env)
 
 
-def _readable(pipe: object, timeout: float) -> bool:
+def readable(pipe: object, timeout: float) -> bool:
     return bool(select.select([pipe], [], [], timeout)[0])
 
 
@@ -238,7 +186,7 @@ def serve(socket_path: str, commands: Mapping[str, str]) -> None:
 
     default_threads = torch.get_num_threads()
     # what a new process's path would hold besides its script's folder and PYTHONPATH
-    base_path = [p for p in sys.path if p not in _pythonpath(os.environ)]  # both absolute
+    base_path = [p for p in sys.path if p not in pythonpath(os.environ)]  # both absolute
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     listener.listen(64)
@@ -351,7 +299,7 @@ def _run_child(entry: Callable[[], object], request: dict, fds: list[int],
         os.environ.update(request["env"])
         sys.argv = request["argv"]
         # as the real command's process has it: its script's folder, PYTHONPATH, the rest
-        sys.path[:] = [str(Path(sys.executable).parent), *_pythonpath(os.environ),
+        sys.path[:] = [str(Path(sys.executable).parent), *pythonpath(os.environ),
                        *base_path]
         _name_process(Path(sys.argv[0]).name)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -407,7 +355,7 @@ def _stop_with_shim(connection: socket.socket) -> None:
     threading.Thread(target=watch, name="shim-watch", daemon=True).start()
 
 
-def _pythonpath(env: Mapping[str, str]) -> list[str]:
+def pythonpath(env: Mapping[str, str]) -> list[str]:
     """PYTHONPATH's folders, made absolute as Python makes them in ``sys.path`` at start."""
     return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 

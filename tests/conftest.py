@@ -15,7 +15,7 @@ import torch
 
 from launch.app_project import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation, warm_federation
-from launch.forkserver import ForkServer
+from launch.warm_start import ForkServer
 from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest hook)
 
 ROOT = Path(__file__).resolve().parents[1]

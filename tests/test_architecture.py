@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -187,7 +188,7 @@ def test_outside_the_engine_only_its_public_api_is_imported(graph):
 
 
 ENGINE_COLLABORATORS = {"ledger", "nodes", "example_counts", "replies", "messenger",
-                        "evaluation", "admission", "rule"}
+                        "evaluation", "admission", "rule", "privacy", "sampler"}
 
 
 def test_the_server_app_uses_the_engines_public_face_only():
@@ -217,3 +218,15 @@ def test_every_method_rule_is_a_method_rule_and_its_hooks_are_documented():
         name for name in hooks if f"``{name}" not in rule_module.__doc__)
     for method in REGISTRY.values():
         assert issubclass(method.rule, MethodRule) and not issubclass(method.rule, RoundEngine)
+
+
+MAX_FILE_LINES = 400
+
+
+def test_no_python_file_is_over_400_lines():
+    """A file holds one concern; past 400 lines it holds several (tests included)."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    too_long = {path: count for path in tracked if (ROOT / path).exists()
+                and (count := len((ROOT / path).read_text().splitlines())) > MAX_FILE_LINES}
+    assert tracked and not too_long, too_long

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from launch.deployment import namespaces_available
-from launch.forkserver import COMMANDS, SOCKET_ENV, ForkServer
+from launch.forkserver import COMMANDS, SOCKET_ENV
+from launch.warm_start import ForkServer
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration  # it starts Flower's own flwr-clientapp
