@@ -123,6 +123,9 @@ def train(msg: Message, context: Context) -> Message:
     privacy = {}
     if start is not None:
         shared, privacy = client.privatized(shared, start, msg.content[CONFIG])
+        # what it sent is what it keeps: its next update is measured from a value sent
+        model.load_state_dict(client.wire.keep_sent(
+            model.state_dict(), shared.to_torch_state_dict(), received.to_torch_state_dict()))
     client.keep_personal(model, received, shared, server_round)
     return Message(RecordDict({
         ARRAYS: shared,

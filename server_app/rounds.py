@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from common.config import ConfigError
 from common.durable import load_tree, save_tree
 from server_app.results import CHECKPOINT, ResultsRecorder
-from strategies.engine import RoundEngine, RunFailedError
+from strategies.engine import BudgetSpentError, RoundEngine, RunFailedError
 
 # Keys a resumed run may change: how long it runs, where it writes, how long it waits, and
 # the server's trust settings (an operator may tighten them). Any other difference (method,
@@ -99,18 +99,20 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
     recorder.start()  # starts the round clock, writes results.json
     stopped = ""
     for server_round in range(first_round, last_round + 1):
-        if (stopped := engine.budget_exceeded() or "") and server_round == first_round:
-            raise RunFailedError(stopped, first_round - 1)
-        if stopped:
-            log(INFO, "[round %d/%d] not run: %s", server_round, last_round, stopped)
-            last_round = server_round - 1
-            break
         # with fused evaluation, round r's exchange also evaluates round r - 1: say so, so
         # that the accuracy lines that follow read in order
         evaluating = (f", evaluating round {server_round - 1}"
                       if fused and server_round - 1 > recorder.last_round else "")
         log(INFO, "[round %d/%d] training%s", server_round, last_round, evaluating)
-        updated = engine.train_round(grid, server_round, arrays)
+        try:
+            updated = engine.train_round(grid, server_round, arrays)
+        except BudgetSpentError as spent:  # raised before any message of the round went out
+            if server_round == first_round:
+                raise RunFailedError(str(spent), first_round - 1) from None
+            stopped = str(spent)
+            log(INFO, "[round %d/%d] not run: %s", server_round, last_round, stopped)
+            last_round = server_round - 1
+            break
         if updated is not None:
             arrays = updated
         if not fused:

@@ -71,21 +71,25 @@ def privatize_uplink(uplink: ArrayRecord, start: ArrayRecord, mode: str, clip_no
 
 
 def noised_mean(uploads: list[list[np.ndarray]], start: list[np.ndarray], clip_norm: float,
-                noise_std: float, rng: np.random.Generator) -> tuple[list[np.ndarray], int]:
-    """Central DP's merge: ``start`` plus the mean of the clients' updates, each clipped to
-    ``clip_norm``, with ``N(0, noise_std^2)`` added to their sum; and how many updates the
-    server itself had to clip (0 for clients that clip as they should)."""
+                noise_std: float, rng: np.random.Generator, drawn: int | None = None
+                ) -> tuple[list[np.ndarray], int]:
+    """Central DP's merge: ``start`` plus the sum of the clients' updates, each clipped to
+    ``clip_norm``, with ``N(0, noise_std^2)`` added, over ``drawn`` (the clients drawn;
+    default: the uploads); and how many updates the server itself had to clip (0 for
+    clients that clip as they should: a client's clip, rounded to its dtype, may pass the
+    norm by its rounding, which is not counted)."""
     total = [np.zeros_like(values, dtype=np.float64) for values in start]
     clipped_here = 0
+    slack = 1e-5 * clip_norm + 1e-6 * get_norm(start)
     for upload in uploads:
         sent = [np.asarray(values, np.float64).copy() for values in upload]
-        # a client's clip rounded to float32 may exceed the norm by a few ulps: not a clip
         longer = get_norm([s - t for s, t in zip(sent, start, strict=True)])
         clip_update(sent, start, clip_norm)
-        clipped_here += longer > clip_norm * (1 + 1e-5)
+        clipped_here += longer > clip_norm + slack
         for i, values in enumerate(sent):
             total[i] += values - start[i]
-    return [start[i] + (total[i] + rng.normal(0.0, noise_std, total[i].shape)) / len(uploads)
+    count = drawn or len(uploads)
+    return [start[i] + (total[i] + rng.normal(0.0, noise_std, total[i].shape)) / count
             for i in range(len(start))], clipped_here
 
 

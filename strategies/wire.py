@@ -90,6 +90,24 @@ class WireSpec(Generic[MethodSettingsT]):
         return {**own, **incoming}
 
     # ------------------------------------------------------------------ the client's reply
+    def keep_sent(self, state: dict[str, Tensor], uplink: Mapping[str, Tensor],
+                  received: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Client side, under DP: ``state`` with what was sent in place of what was trained,
+        so that the next update of an entry the client sends but does not receive back
+        (Factorized-FL's matching vector, FedFac's personal rows in its dynamic mode) is
+        measured from a value the server has seen, never from a clean one."""
+        masks = self.uplink_masks(received)
+        out = dict(state)
+        for key, sent in uplink.items():
+            full = out[key].detach().clone()
+            self.put(key, full, sent.to(device=full.device, dtype=full.dtype), masks)
+            out[key] = full
+        return out
+
+    def put(self, key: str, tensor: Tensor, part: Tensor, masks: Masks | None) -> None:
+        """``cut``'s inverse: ``part`` written into ``tensor`` (in place) where it came from."""
+        tensor.copy_(part)
+
     def build_uplink(self, state: dict[str, Tensor], received: Mapping[str, Tensor],
                      info: Mapping[str, Any]) -> dict[str, Tensor]:
         """What a client sends up: ``uplink_spec``'s keys, each ``cut``."""

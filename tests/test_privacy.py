@@ -8,17 +8,36 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from dp_accounting import dp_event
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant as ReferenceAccountant
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 
+from client_app.app import train
 from common.config import ConfigError
-from common.protocol import CLIENT_ID, DP_CLIPPED, NUM_EXAMPLES, ClientReply
-from strategies.engine.privacy import PrivacyLedger, default_delta
+from common.durable import load_tree, save_tree
+from common.protocol import (
+    ARRAYS,
+    CLIENT_ID,
+    CONFIG,
+    DP_CLIPPED,
+    NUM_EXAMPLES,
+    SERVER_ROUND,
+    ClientReply,
+)
+from strategies.engine.privacy import BudgetSpentError, PrivacyLedger, default_delta
 from strategies.privacy import noised_mean, privatize_uplink
-from strategies.registry import load_settings
-from tests.conftest import app_config
+from strategies.registry import initial_state, load_settings
+from tests.conftest import app_config, make_client
 
 SHAPES = {"conv.weight": (4, 3, 3, 3), "conv.bias": (4,), "fc.weight": (10, 36)}
 
@@ -93,7 +112,7 @@ def test_adaptive_clipping_follows_the_target_quantile_and_bounds_every_update()
     update longer than that round's clip norm."""
     run = settings(**{"dp.adaptive-clipping": True, "dp.clip-norm": 0.2,
                       "dp.noise-multiplier": 1.0, "dp.clipped-count-stddev": 5.0})
-    ledger = PrivacyLedger(run, rng=NoNoise())
+    ledger = population(PrivacyLedger(run, rng=NoNoise()), 9)
     rng = np.random.default_rng(2)
     start = arrays(rng, 1.0)
     norms = []
@@ -105,6 +124,7 @@ def test_adaptive_clipping_follows_the_target_quantile_and_bounds_every_update()
             update = {k: v * (length / norm(direction)) for k, v in direction.items()}
             replies.append(reply(str(i), {k: start[k] + update[k] for k in SHAPES},
                                  float(length > clip_norm)))  # the client did not clip
+        ledger.round_drawn([str(i) for i in range(9)], 9)
         merged = ledger.merge(replies, list(SHAPES), record(start))
         mean_update = {k: merged[k].numpy().astype(np.float64) - start[k] for k in SHAPES}
         assert norm(mean_update) <= clip_norm * (1 + 1e-5)  # a mean of clipped updates
@@ -118,8 +138,10 @@ def test_the_noise_is_noise_multiplier_times_clip_norm_on_the_sum():
     z, clip_norm, n = 1.3, 0.7, 4
     big = {"w": (200, 300)}
     start = {k: np.zeros(s, np.float32) for k, s in big.items()}
-    ledger = PrivacyLedger(settings(**{"dp.noise-multiplier": z, "dp.clip-norm": clip_norm}),
-                           rng=np.random.default_rng(3))
+    ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": z,
+                                                  "dp.clip-norm": clip_norm}),
+                                      rng=np.random.default_rng(3)), n)
+    ledger.round_drawn([str(i) for i in range(n)], n)
     merged = ledger.merge([reply(str(i), start, 0.0) for i in range(n)], ["w"], record(start))
     assert np.std(merged["w"].numpy()) == pytest.approx(z * clip_norm / n, rel=0.02)
     sent, _ = privatize_uplink(record(start), record(start), "local", clip_norm, z,
@@ -136,32 +158,45 @@ def reference_epsilon(event: dp_event.DpEvent, relation: NeighboringRelation, co
     return accountant.get_epsilon(delta)
 
 
+def population(ledger: PrivacyLedger, size: int) -> PrivacyLedger:
+    ledger.fix_population({str(i): {"num-partitions": size} for i in range(size)})
+    return ledger
+
+
 def test_central_epsilon_is_dp_accountings_for_the_same_rounds_sampling_and_noise():
     """20 clients, 5 drawn a round without replacement, noise multiplier 1.1 (the
-    accountant's 0.55: replace-one doubles the sensitivity), 3 rounds."""
-    z, population, drawn = 1.1, 20, 5
-    ledger = PrivacyLedger(settings(**{"dp.noise-multiplier": z}))
-    ledger.fix_population({str(i): {"num-partitions": population} for i in range(population)})
-    delta = default_delta(population)
+    accountant's 0.55: replace-one doubles the sensitivity), 3 rounds; then a round with only
+    10 clients eligible is accounted at its real ratio, 5 of 10 (10 of the 20)."""
+    z, size, drawn = 1.1, 20, 5
+    ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": z})), size)
+    delta = default_delta(size)
+    event = dp_event.SampledWithoutReplacementDpEvent(size, drawn,
+                                                      dp_event.GaussianDpEvent(z / 2))
     for server_round in range(1, 4):
-        spent = ledger.account(server_round, [str(i) for i in range(drawn)], population, True)
-        expected = reference_epsilon(
-            dp_event.SampledWithoutReplacementDpEvent(population, drawn,
-                                                      dp_event.GaussianDpEvent(z / 2)),
-            NeighboringRelation.REPLACE_ONE, server_round, delta)
+        ledger.round_drawn([str(i) for i in range(drawn)], size)
+        spent = ledger.account(True)
+        expected = reference_epsilon(event, NeighboringRelation.REPLACE_ONE, server_round,
+                                     delta)
         assert spent["epsilon"] == pytest.approx(expected, rel=1e-12)
         assert spent["delta"] == delta == 1 / 20 ** 1.1
     assert spent["mode"] == "central" and spent["noise_multiplier"] == z
+    ledger.round_drawn([str(i) for i in range(drawn)], 10)
+    reference = ReferenceAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    reference.compose(event, 3)
+    reference.compose(dp_event.SampledWithoutReplacementDpEvent(
+        size, 10, dp_event.GaussianDpEvent(z / 2)))
+    assert ledger.account(True)["epsilon"] == pytest.approx(reference.get_epsilon(delta),
+                                                            rel=1e-12)
 
 
 def test_local_epsilon_is_the_most_drawn_clients_composition_without_amplification():
     z = 2.0
-    ledger = PrivacyLedger(settings(**{"dp.mode": "local", "dp.noise-multiplier": z,
-                                       "dp.delta": 1e-5}))
-    ledger.fix_population({str(i): {"num-partitions": 10} for i in range(10)})
+    ledger = population(PrivacyLedger(settings(**{"dp.mode": "local", "dp.noise-multiplier": z,
+                                                  "dp.delta": 1e-5})), 10)
     draws = [["0", "1"], ["0", "2"], ["0", "3"], ["4", "5"]]  # client 0: three times
-    for server_round, drawn in enumerate(draws, 1):
-        spent = ledger.account(server_round, drawn, 10, True)
+    for drawn in draws:
+        ledger.round_drawn(drawn, 10)
+        spent = ledger.account(True)
     expected = reference_epsilon(dp_event.GaussianDpEvent(z / 2),
                                  NeighboringRelation.ADD_OR_REMOVE_ONE, 3, 1e-5)
     assert spent["epsilon"] == pytest.approx(expected, rel=1e-12)
@@ -169,35 +204,50 @@ def test_local_epsilon_is_the_most_drawn_clients_composition_without_amplificati
 
 
 def test_a_round_that_would_pass_the_target_epsilon_is_not_run():
-    z, population = 1.0, 10
-    run = settings(**{"dp.noise-multiplier": z, "fraction-train": 0.5})
-    ledger = PrivacyLedger(run)
-    ledger.fix_population({str(i): {"num-partitions": population} for i in range(population)})
-    epsilons = [ledger.account(r, [str(i) for i in range(5)], population, True)["epsilon"]
-                for r in (1, 2, 3)]
-    target = (epsilons[1] + epsilons[2]) / 2
-    capped = PrivacyLedger(settings(**{"dp.noise-multiplier": z, "fraction-train": 0.5,
-                                       "dp.target-epsilon": target}))
-    capped.fix_population({str(i): {"num-partitions": population} for i in range(population)})
-    for server_round in (1, 2):
-        assert capped.budget_exceeded(0.5) is None
-        capped.account(server_round, [str(i) for i in range(5)], population, True)
-    reason = capped.budget_exceeded(0.5)
-    assert reason == (f"dp.target-epsilon={target}: the next round would spend epsilon "
-                      f"{epsilons[2]:.3f} at delta {default_delta(population):.3g}")
+    """The check comes after the round's draw, with its real ratio: here the third round,
+    whose 5 clients are drawn of only 5 eligible (no amplification), would pass the target
+    that 5 of 10 would not have."""
+    z, size = 1.0, 10
+    ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": z})), size)
+    epsilons = []
+    for eligible in (10, 10, 5, 10):
+        ledger.round_drawn([str(i) for i in range(5)], eligible)
+        epsilons.append(ledger.account(True)["epsilon"])
+    target = (epsilons[1] + epsilons[2]) / 2  # between rounds 2 and 3
+    capped = population(PrivacyLedger(settings(**{"dp.noise-multiplier": z,
+                                                  "dp.target-epsilon": target})), size)
+    for _ in (1, 2):
+        capped.round_drawn([str(i) for i in range(5)], 10)
+        capped.account(True)
+    with pytest.raises(BudgetSpentError) as spent:
+        capped.round_drawn([str(i) for i in range(5)], 5)
+    assert str(spent.value) == (f"dp.target-epsilon={target}: the next round would spend "
+                                f"epsilon {epsilons[2]:.3f} at delta {default_delta(size):.3g}")
 
 
-def test_the_privacy_state_survives_a_checkpoint():
+def test_the_privacy_state_survives_a_checkpoint(tmp_path):
+    """Through the checkpoint's own format (``save_tree``/``load_tree``)."""
     run = settings(**{"dp.adaptive-clipping": True, "dp.clipped-count-stddev": 5.0})
-    ledger = PrivacyLedger(run, rng=NoNoise())
-    ledger.fix_population({str(i): {"num-partitions": 8} for i in range(8)})
+    ledger = population(PrivacyLedger(run, rng=NoNoise()), 8)
     start = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    ledger.round_drawn(["0"], 8)  # its update unclipped: the clip norm moves down
     ledger.merge([reply("0", start, 0.0)], list(SHAPES), record(start))
-    first = ledger.account(1, ["0", "1"], 8, True)
+    first = ledger.account(True)
+    save_tree(tmp_path / "checkpoint.npz", {"privacy": ledger.state()})
     restored = PrivacyLedger(run)
-    restored.restore(ledger.state())
+    restored.restore(load_tree(tmp_path / "checkpoint.npz")["privacy"])
     assert restored.clip_norm == ledger.clip_norm != run.dp_clip_norm
     assert restored.epsilon() == first["epsilon"] > 0
+
+
+def test_a_mistake_that_shows_only_with_the_clients_stops_before_round_one():
+    """Known at the preflight, not in a later round: one client with the default delta, or a
+    clipped-count noise too small for the noise multiplier."""
+    with pytest.raises(ConfigError, match=r"dp\.delta: with one client"):
+        population(PrivacyLedger(settings()), 1)
+    with pytest.raises(ConfigError, match=r"dp\.clipped-count-stddev: with 10 clients a round"):
+        population(PrivacyLedger(settings(**{"dp.adaptive-clipping": True,
+                                              "dp.noise-multiplier": 1.5})), 10)
 
 
 # ---------------------------------------------------------------------- configs
@@ -233,3 +283,30 @@ def test_a_config_that_breaks_the_bound_is_refused_in_one_line(overrides, line):
     {"dp.mode": "local", "aggregation.rule": "median"}])
 def test_every_other_method_runs_under_dp(overrides):
     assert settings(**overrides).dp_mode in ("central", "local")
+
+
+# ---------------------------------------------------------------------- the client
+@pytest.mark.usefixtures("server_task")
+@pytest.mark.parametrize("method", ["factorized-fl", "fedfac"])
+def test_what_a_client_sends_but_never_gets_back_is_kept_as_it_was_sent(method):
+    """Factorized-FL's matching vector ``v`` leaves every round and never comes back, and so
+    do FedFac's personal rows in its dynamic mode. Under local DP the client keeps the noised
+    value it sent: the next round's update of it is measured from a value the server has
+    seen, never from the clean one (which would leave with the next update)."""
+    overrides = {"dp.mode": "local", "local-epochs": 1}
+    if method == "fedfac":
+        overrides |= {"fedfac.mode": "dynamic"}
+    client = make_client(0, app_config(method=method, **overrides))
+    initial = initial_state(client.settings).arrays
+    message = Message(RecordDict({ARRAYS: initial, CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
+                      dst_node_id=100, message_type=MessageType.TRAIN)
+    reply = train(message, client.context)
+    assert not reply.has_error(), reply.error
+    sent = reply.content[ARRAYS].to_torch_state_dict()
+    model = client.model(ArrayRecord())  # its own state, nothing received
+    kept = {k: v for k, v in model.state_dict().items() if k in sent}
+    never_received = [k for k in sent if k not in initial or (method == "fedfac"
+                      and k in client.wire.layer_of_key)]
+    assert never_received
+    for key in never_received:
+        assert torch.equal(kept[key], sent[key]), key

@@ -3,10 +3,11 @@ holds a method's server rule (``rule.MethodRule``: the hooks, in the order a rou
 them), which sees the run through a ``rule.RuleContext``. Outside this package only these
 names are used."""
 
+from strategies.engine.privacy import BudgetSpentError
 from strategies.engine.replies import RunFailedError
 from strategies.engine.robust import combine
 from strategies.engine.round_engine import RoundEngine
 from strategies.engine.rule import AFTER_TRAINING, MethodRule, RuleContext
 
-__all__ = ["AFTER_TRAINING", "MethodRule", "RoundEngine", "RuleContext", "RunFailedError",
-           "combine"]
+__all__ = ["AFTER_TRAINING", "BudgetSpentError", "MethodRule", "RoundEngine", "RuleContext",
+           "RunFailedError", "combine"]

@@ -38,6 +38,10 @@ from common.protocol import DP_CLIP_NORM, DP_CLIPPED, NUM_PARTITIONS, ClientRepl
 from strategies.privacy import accounted_noise_multiplier, noised_mean, secret_rng
 
 
+class BudgetSpentError(Exception):
+    """The next round would spend more than ``dp.target-epsilon`` (one line: how much)."""
+
+
 def default_delta(population: int) -> float:
     """``1 / N^1.1``: below one over the number of clients, as a delta must be."""
     if population < 2:
@@ -58,7 +62,9 @@ class PrivacyLedger:
         # (the sampled RDP of one event costs about 1.5 s of CPU, its multiples nothing)
         self.releases: dict[int, int] = {}
         self._rng = secret_rng() if rng is None else rng  # a seeded one: tests only
-        self._merged: dict[str, Any] = {}  # this round's merge, for its report
+        # this round's draw (ids, eligible) and merge, for its accounting and report
+        self._drawn: tuple[list[str], int] = ([], 0)
+        self._merged: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ before a round
     def sampler(self) -> random.Random | Any:
@@ -74,77 +80,95 @@ class PrivacyLedger:
         return self.settings.dp_delta or default_delta(self.population)
 
     def fix_population(self, client_info: dict[str, dict[str, Any]]) -> None:
-        """N: the clients' reported ``num-partitions`` (at least the clients known), fixed
-        when the first round is accounted."""
+        """N: the clients' reported ``num-partitions`` (at least the clients known), fixed at
+        the preflight; what depends on it is checked then, before any round (one line)."""
         if self.population or not self.mode:
             return
         reported = [int(info.get(NUM_PARTITIONS, 0)) for info in client_info.values()]
         self.population = max([len(client_info), *reported])
+        self.delta()
+        self._noise_multipliers()
 
-    def budget_exceeded(self, fraction_train: float) -> str | None:
-        """Why the next round may not run under ``dp.target-epsilon`` (None: it may)."""
+    def expected_drawn(self) -> int:
+        """The clients a round draws when all ``N`` are eligible."""
+        return max(int(self.population * self.settings.fraction_train), 1)
+
+    def round_drawn(self, drawn: list[str], eligible: int) -> None:
+        """The round's draw (``drawn``: an id per node drawn, of ``eligible``), before any
+        message goes out; raises ``BudgetSpentError`` when the round would spend more than
+        ``dp.target-epsilon``."""
+        self._drawn = (list(drawn), eligible)
         target = self.settings.dp_target_epsilon
-        if not self.mode or target == 0 or not self.population:
-            return None
-        projected = self.epsilon(next_round=max(int(self.population * fraction_train), 1))
-        if projected <= target:
-            return None
-        return (f"dp.target-epsilon={target}: the next round would spend epsilon "
-                f"{projected:.3f} at delta {self.delta():.3g}")
+        if not self.mode or target == 0:
+            return
+        projected = self.epsilon(self._drawn)
+        if projected > target:
+            raise BudgetSpentError(f"dp.target-epsilon={target}: the next round would spend "
+                              f"epsilon {projected:.3f} at delta {self.delta():.3g}")
+
+    def _accounted_sample(self, drawn: int, eligible: int) -> int:
+        """A round's draw as the accountant sees it: ``drawn`` of ``N``, scaled up to the
+        ratio it really had when fewer than ``N`` were eligible."""
+        return min(self.population, math.ceil(drawn * self.population / max(eligible, 1)))
 
     # ------------------------------------------------------------------ merge (central)
     def merge(self, replies: list[ClientReply], keys: list[str],
               reference: ArrayRecord) -> ArrayRecord:
         """Central DP's merge of the whole uplink: the clipped updates' sum plus noise, over
-        the number of replies; adaptive clipping then moves the clip norm."""
+        the number of clients drawn (a drawn client whose update did not arrive counts as a
+        zero update: a drop reveals nothing through the mean); adaptive clipping then moves
+        the clip norm."""
         for reply in replies:
             if set(reply.arrays.keys()) != set(keys):
                 raise RuntimeError("dp.mode='central' needs one merge of the whole uplink "
                                    f"(merging {sorted(keys)[:3]}... of {len(keys)} keys)")
-        noise_multiplier, count_std = self._noise_multipliers(len(replies))
+        drawn = max(len(self._drawn[0]), len(replies))
+        noise_multiplier, count_std = self._noise_multipliers()
         start = [reference[k].numpy().astype(np.float64) for k in keys]
         merged, clipped_here = noised_mean(
             [[r.arrays[k].numpy() for k in keys] for r in replies], start, self.clip_norm,
-            noise_multiplier * self.clip_norm, self._rng)
+            noise_multiplier * self.clip_norm, self._rng, drawn)
         clipped = sum(float(r.metrics.get(DP_CLIPPED, 0.0)) for r in replies)
         self._merged = {"clip_norm": self.clip_norm, "clipped_fraction": clipped / len(replies),
                         "clipped_by_server": clipped_here}
         if self.settings.dp_adaptive_clipping:
             unclipped = len(replies) - clipped + self._rng.normal(0.0, count_std)
             self.clip_norm *= math.exp(-self.settings.dp_clip_lr * (
-                unclipped / len(replies) - self.settings.dp_target_quantile))
+                unclipped / drawn - self.settings.dp_target_quantile))
         return ArrayRecord({k: Array(values.astype(reference[k].numpy().dtype))
                             for k, values in zip(keys, merged, strict=True)})
 
-    def _noise_multipliers(self, num_clients: int) -> tuple[float, float]:
+    def _noise_multipliers(self) -> tuple[float, float]:
         """(the updates' noise multiplier, the clipped count's standard deviation): with
         adaptive clipping the count takes part of ``dp.noise-multiplier`` (Andrew et al.,
-        via Flower's ``compute_adaptive_noise_params``), so that the total stays it."""
+        via Flower's ``compute_adaptive_noise_params``; its default ``m / 20`` for the
+        ``m`` clients a round draws), so that the total stays it."""
         z = self.settings.dp_noise_multiplier
         if not self.settings.dp_adaptive_clipping:
             return z, 0.0
+        expected = self.expected_drawn()
         try:
             count_std, update_z = compute_adaptive_noise_params(
-                z, num_clients, self.settings.dp_clipped_count_stddev or None)
+                z, expected, self.settings.dp_clipped_count_stddev or None)
         except ValueError:
             raise ConfigError(
-                f"dp.clipped-count-stddev: with {num_clients} clients a round it must be "
-                f"above dp.noise-multiplier / 2 = {z / 2}") from None
+                f"dp.clipped-count-stddev: with {expected} clients a round it must be above "
+                f"dp.noise-multiplier / 2 = {z / 2}") from None
         return update_z, count_std
 
     # ------------------------------------------------------------------ after a round
-    def account(self, server_round: int, drawn: list[str], eligible: int,
-                merged: bool) -> dict[str, Any] | None:
-        """Compose the round's releases; its ``privacy`` entry for results.json."""
+    def account(self, merged: bool) -> dict[str, Any] | None:
+        """Compose the round's releases (its draw: ``round_drawn``); its ``privacy`` entry
+        for results.json."""
         if not self.mode:
             return None
+        drawn, eligible = self._drawn
         if self.mode == "local":
-            for client_id in drawn:  # every drawn client sent (or may have sent) an update
-                self.participations[client_id] = self.participations.get(client_id, 0) + 1
+            for client in drawn:  # every drawn client sent (or may have sent) an update
+                self.participations[client] = self.participations.get(client, 0) + 1
             note = {"clip_norm": self.clip_norm, "clipped_fraction": None}
         elif merged:
-            sample = min(self.population, math.ceil(
-                len(drawn) * self.population / max(eligible, 1)))
+            sample = self._accounted_sample(len(drawn), eligible)
             self.releases[sample] = self.releases.get(sample, 0) + 1
             note = self._merged
         else:  # nothing merged: nothing released
@@ -153,16 +177,19 @@ class PrivacyLedger:
         return {"mode": self.mode, "epsilon": self.epsilon(), "delta": self.delta(),
                 "noise_multiplier": self.settings.dp_noise_multiplier, **note}
 
-    def epsilon(self, next_round: int = 0) -> float:
-        """The epsilon spent so far at ``delta()``; with ``next_round`` > 0, as it would be
-        after one more round drawing that many clients."""
+    def epsilon(self, draw: tuple[list[str], int] | None = None) -> float:
+        """The epsilon spent so far at ``delta()``; with ``draw`` (a round's clients drawn, of
+        how many eligible), as it would be after that round too."""
         z = accounted_noise_multiplier(self.settings.dp_noise_multiplier)
         if self.mode == "local":
-            rounds = max(self.participations.values(), default=0) + (next_round > 0)
-            return local_epsilon(z, rounds, self.delta())
+            counts = dict(self.participations)
+            for client in draw[0] if draw else []:
+                counts[client] = counts.get(client, 0) + 1
+            return local_epsilon(z, max(counts.values(), default=0), self.delta())
         releases = dict(self.releases)
-        if next_round:
-            releases[next_round] = releases.get(next_round, 0) + 1
+        if draw:
+            sample = self._accounted_sample(len(draw[0]), draw[1])
+            releases[sample] = releases.get(sample, 0) + 1
         if not releases:
             return 0.0
         accountant = RdpAccountant(PrivacyConfig(

@@ -96,11 +96,6 @@ class RoundEngine(Generic[MethodSettingsT]):
         return {"node_to_client": {str(k): v for k, v in self.nodes.node_to_client.items()},
                 **self.rule.results_tables()}
 
-    def budget_exceeded(self) -> str | None:
-        """Why the next round may not run: it would spend more than ``dp.target-epsilon``
-        (None: it may, or no budget was set)."""
-        return self.privacy.budget_exceeded(self.settings.fraction_train)
-
     def set_message_config(self, config: dict[str, Any]) -> None:
         """Added to every train and evaluate message's config from now on (a resumed run's
         lineage: ``server_app/app.py``)."""
@@ -124,7 +119,8 @@ class RoundEngine(Generic[MethodSettingsT]):
             self.rule.start_round(server_round)
             eligible = self.admit(grid, server_round, arrays, MessageType.TRAIN)
             trainers = self.draw(eligible, self.settings.fraction_train)
-            self.privacy.fix_population(self.nodes.client_info)
+            self.privacy.round_drawn([c or f"node-{n}" for n, c in trainers.items()],
+                                     len(eligible))  # raises BudgetSpentError past the target
             evaluators = self.evaluation.take() or {}
             messages = self.messenger.address(server_round, trainers, arrays,
                                               MessageType.TRAIN, server_round,
@@ -145,8 +141,7 @@ class RoundEngine(Generic[MethodSettingsT]):
             stop_if_every_reply_failed(f"training of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
             updated = self.merge(server_round, valid, arrays)
-            spent = self.privacy.account(server_round, [c for c in trainers.values() if c],
-                                         len(eligible), updated is not None)
+            spent = self.privacy.account(updated is not None)
             if spent is not None:
                 self.ledger.report(server_round, "privacy", spent)
         if self.settings.fused_evaluation:

@@ -3,7 +3,7 @@ queries for the paper's evaluation of new clients (table 3).
 
 - ``fedfac.personal``: an existing client returns its analysed layers' element tensors (shared
   and personal rows). This is the only time personal elements leave a client, and it happens
-  only when ``fedfac.new-clients > 0``, for the Ensemble evaluation.
+  only when ``fedfac.new-clients > 0``, for the Ensemble evaluation; never under ``dp.mode``.
 - ``fedfac.localtrain``: a new client takes the shared part (rows + masks, as in a downlink),
   trains only its personal rows of the analysed layers for ``local-epochs`` (every other
   parameter and every shared row stays fixed), and reports its accuracy.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
+from common.config import ConfigError
 from common.protocol import ARRAYS, METRICS, NUM_EXAMPLES, TASK_ACCURACY
 from strategies.fedfac.spec import MEMBER_PREFIX, SharedRows
 from strategies.method import ClientSide
@@ -24,6 +25,8 @@ from strategies.training import LocalTraining, accuracy_scores, evaluate_model, 
 
 
 def personal_elements(client: ClientSide, msg: Message) -> RecordDict:
+    if client.settings.dp_mode:  # the client's own refusal: under DP it trusts no server
+        raise ConfigError("fedfac.personal: under dp.mode this client sends no personal rows")
     model = client.model(ArrayRecord())
     state = model.state_dict()
     return RecordDict({ARRAYS: ArrayRecord({k: state[k].cpu()

@@ -123,3 +123,10 @@ class SharedRows(WireSpec[FedFacSettings]):
     def cut(self, name: str, tensor: Tensor, masks: Masks | None) -> Tensor:
         layer = self.layer_of_key.get(name)
         return tensor if masks is None or layer is None else tensor[masks[layer]]
+
+    def put(self, name: str, tensor: Tensor, part: Tensor, masks: Masks | None) -> None:
+        layer = self.layer_of_key.get(name)
+        if masks is None or layer is None:
+            tensor.copy_(part)
+        else:
+            tensor[masks[layer].to(tensor.device)] = part
