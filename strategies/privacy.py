@@ -3,8 +3,7 @@
 A client's *update* is what it sends minus what it would have sent before training (the same
 keys, cut by the same rows: ``WireSpec.build_uplink`` of its starting state). Both modes clip
 each update to ``clip_norm`` over all of its arrays together (Flower's
-``compute_adaptive_clip_model_update``: the FlatClip of McMahan et al. 2018, which also says
-whether the update was clipped):
+``clip_inputs_inplace``: the FlatClip of McMahan et al. 2018):
 
 - ``dp.mode = "central"``: the client sends its clipped update (added to its start); the
   server clips again (a site that does not clip cannot break the bound) and adds
@@ -28,7 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
-from flwr.supercore.differential_privacy import compute_adaptive_clip_model_update, get_norm
+from flwr.supercore.differential_privacy import clip_inputs_inplace, get_norm
 
 from common.config import ConfigError, RunSettings
 
@@ -44,13 +43,18 @@ def accounted_noise_multiplier(noise_multiplier: float) -> float:
     return noise_multiplier / 2
 
 
-def clip_update(sent: list[np.ndarray], start: list[np.ndarray], clip_norm: float) -> bool:
+def clip_update(sent: list[np.ndarray], start: list[np.ndarray], clip_norm: float) -> float:
     """``sent`` (float64, in place) becomes ``start`` plus its update clipped to
-    ``clip_norm`` (L2 over all arrays together); True if the update was longer. An update of
-    zero (a client that did not move) stays zero (Flower's clip divides by the norm)."""
-    if get_norm([s - t for s, t in zip(sent, start, strict=True)]) == 0.0:
-        return False
-    return bool(compute_adaptive_clip_model_update(sent, start, clip_norm))
+    ``clip_norm`` (L2 over all arrays together, Flower's ``clip_inputs_inplace``); returns
+    the update's norm before the clip (above ``clip_norm``: it was clipped). An update no
+    longer than ``clip_norm``, zero included, is left as it is."""
+    update = [s - t for s, t in zip(sent, start, strict=True)]
+    norm = get_norm(update)
+    if norm > clip_norm:
+        clip_inputs_inplace(update, clip_norm)
+        for i, values in enumerate(update):
+            sent[i] = start[i] + values
+    return norm
 
 
 def privatize_uplink(uplink: ArrayRecord, start: ArrayRecord, mode: str, clip_norm: float,
@@ -62,7 +66,7 @@ def privatize_uplink(uplink: ArrayRecord, start: ArrayRecord, mode: str, clip_no
     keys = list(uplink.keys())
     sent = [uplink[k].numpy().astype(np.float64) for k in keys]
     clipped = clip_update(sent, [start[k].numpy().astype(np.float64) for k in keys],
-                          clip_norm)
+                          clip_norm) > clip_norm
     if mode == "local":
         for values in sent:
             values += rng.normal(0.0, noise_multiplier * clip_norm, values.shape)
@@ -83,9 +87,7 @@ def noised_mean(uploads: list[list[np.ndarray]], start: list[np.ndarray], clip_n
     slack = 1e-5 * clip_norm + 1e-6 * get_norm(start)
     for upload in uploads:
         sent = [np.asarray(values, np.float64).copy() for values in upload]
-        longer = get_norm([s - t for s, t in zip(sent, start, strict=True)])
-        clip_update(sent, start, clip_norm)
-        clipped_here += longer > clip_norm + slack
+        clipped_here += clip_update(sent, start, clip_norm) > clip_norm + slack
         for i, values in enumerate(sent):
             total[i] += values - start[i]
     count = drawn or len(uploads)

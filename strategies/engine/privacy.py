@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -190,15 +191,8 @@ class PrivacyLedger:
         if draw:
             sample = self._accounted_sample(len(draw[0]), draw[1])
             releases[sample] = releases.get(sample, 0) + 1
-        if not releases:
-            return 0.0
-        accountant = RdpAccountant(PrivacyConfig(
-            target_delta=self.delta(), population_size=self.population,
-            neighboring_relation=NeighboringRelation.REPLACE_ONE,
-            sampling_method=SamplingMethod.WITHOUT_REPLACEMENT))
-        for sample, rounds in releases.items():
-            accountant.compose(GaussianPrivacyEvent(z, sample, self.population), count=rounds)
-        return accountant.get_epsilon(self.delta())
+        return central_epsilon(z, self.population, self.delta(),
+                               tuple(sorted(releases.items())))
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> dict[str, Any]:
@@ -213,6 +207,25 @@ class PrivacyLedger:
         self.population = int(state["population"])
         self.participations = {k: int(v) for k, v in state["participations"].items()}
         self.releases = {int(sample): int(rounds) for sample, rounds in state["releases"]}
+
+
+@lru_cache(maxsize=64)
+def central_epsilon(noise_multiplier: float, population: int, delta: float,
+                    releases: tuple[tuple[int, int], ...]) -> float:
+    """Epsilon of sampled Gaussian releases (``releases``: clients drawn, as accounted ->
+    rounds) from ``population`` clients without replacement. Cached: a round's projection
+    before its draw goes out is the same computation as its account after the merge, and
+    the sampled RDP of one event costs about 1.5 s of CPU."""
+    if not releases:
+        return 0.0
+    accountant = RdpAccountant(PrivacyConfig(
+        target_delta=delta, population_size=population,
+        neighboring_relation=NeighboringRelation.REPLACE_ONE,
+        sampling_method=SamplingMethod.WITHOUT_REPLACEMENT))
+    for sample, rounds in releases:
+        accountant.compose(GaussianPrivacyEvent(noise_multiplier, sample, population),
+                           count=rounds)
+    return accountant.get_epsilon(delta)
 
 
 def local_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
