@@ -68,7 +68,7 @@ def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
         start = time.perf_counter()
         states, weights = [], []
         for client in clients:
-            model = build_model(settings)
+            model = build_model(settings).to(client.device)
             model.load_state_dict(global_state, strict=False)
             client.method.local_train(LocalTraining(
                 model, client.loader(True, server_round), settings, client.device, server_round))
@@ -79,7 +79,7 @@ def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
                                                                           strict=True))
                         for k in global_state}
         for client in clients:
-            model = build_model(settings)
+            model = build_model(settings).to(client.device)
             model.load_state_dict(global_state, strict=False)
             evaluate_model(model, client.loader(False), client.device)
         seconds.append(time.perf_counter() - start)
