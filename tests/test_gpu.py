@@ -32,15 +32,26 @@ def deployment(tmp_path_factory):
         yield running
 
 
-@pytest.mark.parametrize("method", sorted(REGISTRY))
-def test_every_method_trains_its_clients_on_the_gpu(deployment, method, tmp_path):
+# DP's clipping and noise on CUDA tensors: the server's (central) and the client's (local)
+PRIVATE = {"dp.noise-multiplier": 0.001, "dp.clip-norm": 5.0}  # a small noise: the path, not privacy
+RUNS = ([(method, {}) for method in sorted(REGISTRY)]
+        + [("feddecomp", {"dp.mode": "central", **PRIVATE}),
+           ("fedper", {"dp.mode": "local", **PRIVATE})])
+
+
+@pytest.mark.parametrize(("method", "extra"), RUNS,
+                         ids=[m + "".join(f"-{v}" for k, v in e.items() if k == "dp.mode")
+                              for m, e in RUNS])
+def test_every_method_trains_its_clients_on_the_gpu(deployment, method, extra, tmp_path):
     out = tmp_path / "out"
-    run = deployment.run(ROOT, {**CONFIG, "method": method, "output-dir": str(out)})
+    run = deployment.run(ROOT, {**CONFIG, "method": method, "output-dir": str(out), **extra})
     assert run.ok, run.output[-3000:]
     results = read_results(out)
     final = results["final"]
     assert sorted(results["rounds"][-1]["eval"]["per_client"]) == ["site-0", "site-1"]
     assert math.isfinite(final["accuracy_weighted"]) and final["accuracy_weighted"] > 0.3
+    if extra:
+        assert final["privacy"]["epsilon"] > 0
     for site in range(2):  # loaded as saved (no map_location): a CUDA tensor comes back on CUDA
         saved = torch.load(deployment.state_dir(site) / f"site-{site}.pt", weights_only=True)
         assert saved["method"] == method
