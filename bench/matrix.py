@@ -4,6 +4,7 @@ on five others, with one report (``bench/results/report.md``) and its plots.
     python bench/matrix.py                        # the whole matrix: tune, then report; resumes
     python bench/matrix.py --stage report --scenarios dirichlet-0.1 --only fedavg,feddecomp
     python bench/matrix.py --ablations            # only the ablations of tuned rows
+    python bench/matrix.py --privacy              # only the DP cells of tuned rows
     python bench/matrix.py --write-only           # rewrite report.md and plots from the cells
 
 Every run is one cell (its summary and per-round series), stored as
@@ -31,7 +32,10 @@ always written from all cells present (plots in ``bench/results/matrix/``). The 
   across its margin after the report seeds, once (``bench/evidence/claims.py``);
 - ablations (``ABLATIONS``, run after the rows): a row's tuned configuration with one
   change, on the same report seeds: where a claim did not hold, to show why, and FedFac's
-  random split of the same size, the reference its split claim is judged against.
+  random split of the same size, the reference its split claim is judged against;
+- privacy (``PRIVACY``, last): six rows at their tuned configuration and their scenario's
+  rounds under local DP at three noise multipliers, on the report seeds, against FedAvg and
+  FedPer at the same noise multiplier (``bench/evidence/privacy.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ sys.path.insert(0, str(ROOT))
 from bench.evidence import protocol  # noqa: E402
 from bench.evidence.cells import Matrix, run, select  # noqa: E402
 from bench.evidence.claims import undecided  # noqa: E402
-from bench.evidence.protocol import ABLATIONS, COMMON, SCENARIOS, TUNING, pool_file  # noqa: E402
+from bench.evidence.protocol import (  # noqa: E402
+    ABLATIONS,
+    COMMON,
+    PRIVACY,
+    SCENARIOS,
+    TUNING,
+    pool_file,
+)
 from bench.evidence.report import judged, write_report  # noqa: E402
 
 
@@ -78,6 +89,8 @@ def main() -> None:
     parser.add_argument("--write-only", action="store_true", help="no runs, only the report")
     parser.add_argument("--ablations", action="store_true",
                         help="run the ablations of tuned rows (ABLATIONS), then the report")
+    parser.add_argument("--privacy", action="store_true",
+                        help="run the DP cells of tuned rows (PRIVACY), then the report")
     args = parser.parse_args()
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
@@ -91,14 +104,19 @@ def main() -> None:
     if not args.write_only:
         with warm_federation() as federation:
             matrix = Matrix(federation, common, tuning=tuning)
-            if not args.ablations:
+            whole = not only and args.stage == "all" and not (args.ablations or args.privacy)
+            if not (args.ablations or args.privacy):
                 run(matrix, select(args.scenarios.split(","), only), args.stage)
                 if args.stage != "tune":
                     run_extra_seeds(matrix, args.scenarios.split(","))
-            if args.ablations or (not only and args.stage == "all"):
-                for ablation in ABLATIONS:  # the whole matrix ends with them
+            if args.ablations or whole:
+                for ablation in ABLATIONS:  # the whole matrix ends with them, then privacy
                     if ablation.scenario in args.scenarios.split(","):
                         matrix.ablation(ablation)
+            if args.privacy or whole:
+                for entry in PRIVACY:
+                    if entry.scenario in args.scenarios.split(","):
+                        matrix.privacy(entry)
     print(write_report(Matrix(None, common, tuning=tuning), command))
 
 

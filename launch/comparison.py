@@ -64,9 +64,9 @@ def _in_cache(dataset: Any) -> Any:
 
 def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:
     """What a comparison keeps of one run's results.json: final numbers and per-round series
-    (accuracies as fractions, bytes in MB); and the mean task accuracy (``accuracy_task_mean``,
-    final, and ``accuracy_task_per_round``) when every evaluated round has it (results.json
-    written before it was recorded has none)."""
+    (accuracies as fractions, bytes in MB); under DP the spent budget (``privacy``); and the
+    mean task accuracy (``accuracy_task_mean``, final, and ``accuracy_task_per_round``) when
+    every evaluated round has it (results.json written before it was recorded has none)."""
     evaluated = [r for r in results["rounds"] if "eval" in r]
     final = results["final"]
     summary = {
@@ -81,6 +81,8 @@ def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:
         "accuracy_min_per_round": [r["eval"]["accuracy_min"] for r in evaluated],
         "mb_up_per_round": [r["bytes_up"] / MB for r in results["rounds"]],
     }
+    if "privacy" in final:  # what the run spent under DP (docs/privacy.md)
+        summary["privacy"] = final["privacy"]
     if evaluated and all("accuracy_task_mean" in r["eval"] for r in evaluated):
         summary["accuracy_task_per_round"] = [r["eval"]["accuracy_task_mean"] for r in evaluated]
         summary["accuracy_task_mean"] = final.get("accuracy_task_mean",

@@ -32,8 +32,9 @@ def deployment(tmp_path_factory):
         yield running
 
 
-# DP's clipping and noise on CUDA tensors: the server's (central) and the client's (local)
-PRIVATE = {"dp.noise-multiplier": 0.001, "dp.clip-norm": 5.0}  # a small noise: the path, not privacy
+# DP's clipping and noise on CUDA tensors: the server's (central) and the client's (local);
+# a small noise, as the path is tested here, not privacy
+PRIVATE = {"dp.noise-multiplier": 0.001, "dp.clip-norm": 5.0}
 RUNS = ([(method, {}) for method in sorted(REGISTRY)]
         + [("feddecomp", {"dp.mode": "central", **PRIVATE}),
            ("fedper", {"dp.mode": "local", **PRIVATE})])

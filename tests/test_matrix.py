@@ -29,6 +29,7 @@ def _store(matrix: Matrix, scenario: str, item, config: dict, curve: list[float]
     path.write_text(json.dumps({
         "run_config": run_config, "resolved_config": matrix.resolved(item.method, run_config),
         "config": config, "num_clients": 3, "accuracy_per_round": curve, "accuracy_min": 0.0,
+        "rounds": list(range(1, len(curve) + 1)),
         "evaluated_on": "validation" if stage == "tune" else "test", "seed": seed,
         "mb_up_total": 1.0, "seconds_total": 1.0}))
 

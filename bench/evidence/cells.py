@@ -106,14 +106,14 @@ class Matrix:
                   "machine": f"{os.cpu_count()} CPU cores, device {self.device}"}
         if not run.ok:
             reason = divergence(out)
-            if stage != "tune" or reason is None:
+            if stage not in ("tune", "privacy") or reason is None:
                 print(run.output[-3000:], file=sys.stderr)
                 print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: run failed "
                       f"({run.status}); not stored, the next invocation tries again",
                       file=sys.stderr)
                 return None
             # a configuration of the search that diverged: a result of the search, which
-            # can never be chosen (launch.comparison.choose)
+            # can never be chosen (launch.comparison.choose); under DP, a result of the noise
             record.update(status="diverged", reason=reason)
         else:
             record.update(summarize_run(json.loads((out / "results.json").read_text())))
@@ -186,6 +186,22 @@ class Matrix:
         return [c for seed in (*protocol.REPORT_SEEDS, *extra) if (c := self.cell(
             ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
             may_run=may_run)) is not None]
+
+    def privacy(self, entry: Ablation, may_run: bool = True
+                ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+        """A privacy cell (``protocol.PRIVACY``) on each report seed, each beside its row's
+        report cell of the same seed without DP (None while missing): the row's tuned
+        configuration at its scenario's rounds, never a doubled length, so that every row
+        spends the same epsilon at a noise level. Empty before the row is tuned."""
+        [(_, item)] = select([entry.scenario], [f"{entry.scenario}/{entry.label}"])
+        config, tuned = self.tuned(entry.scenario, item, tune=False)
+        if not tuned:
+            return []
+        return [(cell, self.cell(entry.scenario, item, "report", config, seed, may_run=False))
+                for seed in protocol.REPORT_SEEDS
+                if (cell := self.cell(entry.scenario, item, "privacy",
+                                      {**config, **entry.change}, seed, may_run=may_run))
+                is not None]
 
 
 def divergence(out: Path) -> str | None:

@@ -10,6 +10,7 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import claim_line, claims
+from bench.evidence.privacy import privacy_plots, privacy_stats, privacy_summary, privacy_tables
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
@@ -255,16 +256,28 @@ def write_report(matrix: Matrix, command: str) -> str:
                   + (f"; each row runs the configuration it chose on {searched_on}"
                      if searched_on else "") + ".\n\n", table(list(rows.values())),
                   f"\n![{scenario}](matrix/accuracy-{scenario}.png)\n\n"]
+    private = privacy_stats(matrix)
+    if private:
+        parts += ["## Differential privacy\n\nEach row below at its tuned configuration and "
+                  "its scenario's rounds, on the report seeds, under local DP (each client "
+                  f"clips its update to L2 norm {protocol.PRIVACY_CLIP_NORM} and adds Gaussian "
+                  "noise of that times the noise multiplier z; `docs/privacy.md`); epsilon at "
+                  "the delta shown in `matrix/summary.json`, the most any run of the level "
+                  "spent. Without DP: the row's report seeds at the same configuration and "
+                  "rounds.\n\n", privacy_tables(private), "\n"]
     missing = [f"{s}/{e.label}" for s, scenario in SCENARIOS.items() for e in scenario.entries
                if e.label not in stats.get(s, {})]
     if missing:
         parts.append("## Not run yet\n\n" + ", ".join(missing) + "\n\n")
     (out / "matrix").mkdir(parents=True, exist_ok=True)
+    if private:
+        privacy_plots(private, out)
     if stats:
         plots(stats, out)
         parts.append("![accuracy against uplink](matrix/accuracy-vs-uplink.png)\n")
-    (out / "matrix" / "summary.json").write_text(
-        json.dumps(summary(matrix, stats, judged_claims), indent=1) + "\n")
+    (out / "matrix" / "summary.json").write_text(json.dumps(
+        {**summary(matrix, stats, judged_claims),
+         **({"privacy": privacy_summary(private)} if private else {})}, indent=1) + "\n")
     text = "".join(parts)
     (out / "report.md").write_text(text)
     return text

@@ -1,0 +1,152 @@
+"""The privacy-utility evidence (``protocol.PRIVACY``), from the stored cells: each row's
+accuracy under local DP at each noise multiplier, the epsilon it spent, and paired intervals
+against FedAvg and FedPer at the same noise multiplier (so at the same epsilon) and against
+the row itself without DP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.evidence import protocol
+from bench.evidence.cells import Matrix
+from launch.comparison import accuracy_difference, method_stats, points
+from launch.comparison_plots import figure, row_style, save
+
+Level = dict[str, Any]
+
+
+def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
+    """scenario -> row -> ``{"none": stats without DP, "levels": {z: stats under DP}}``, each
+    as ``launch.comparison.method_stats`` gives it; a level also holds the most epsilon any of
+    its runs spent (every run's guarantee), its delta, and its seeds that diverged (their
+    losses stopped being finite: no accuracy)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for entry in protocol.PRIVACY:
+        pairs = matrix.privacy(entry, may_run=False)
+        if not pairs:
+            continue
+        private = {c["seed"]: c for c, _ in pairs if c.get("status") != "diverged"}
+        clean = {r["seed"]: r for _, r in pairs if r is not None}
+        spent = [c["privacy"] for c in private.values() if "privacy" in c]
+        row = out.setdefault(entry.scenario, {}).setdefault(entry.label, {"levels": {}})
+        if clean:
+            row["none"] = method_stats(clean)
+        row["levels"][entry.change["dp.noise-multiplier"]] = {
+            **(method_stats(private) if private else {}),
+            "epsilon": max((p["epsilon"] for p in spent), default=None),
+            "delta": spent[0]["delta"] if spent else None,
+            "diverged": sorted(c["seed"] for c, _ in pairs if c.get("status") == "diverged")}
+    return out
+
+
+def differences(rows: dict[str, dict[str, Any]], label: str, z: float
+                ) -> dict[str, dict[str, Any] | None]:
+    """A row at noise multiplier ``z`` against each reference at ``z`` and against itself
+    without DP: paired over seeds (``launch.comparison.accuracy_difference``)."""
+    level = rows[label]["levels"][z]
+    if "per_seed" not in level:
+        return {}
+    out: dict[str, dict[str, Any] | None] = {
+        reference: accuracy_difference(level, rows[reference]["levels"][z])
+        for reference in protocol.PRIVACY_REFERENCES
+        if reference != label and reference in rows
+        and "per_seed" in rows[reference]["levels"].get(z, {})}
+    if "none" in rows[label]:
+        out["no DP"] = accuracy_difference(level, rows[label]["none"])
+    return out
+
+
+def _figure(level: Level) -> str:
+    if "accuracy" not in level:
+        return "diverged" if level.get("diverged") else "-"
+    mean, std = level["accuracy"]
+    diverged = f", {len(level['diverged'])} diverged" if level.get("diverged") else ""
+    return f"{mean:.4f} ± {std:.4f}{diverged}"
+
+
+def _epsilon(levels: list[Level]) -> str:
+    spent = [level["epsilon"] for level in levels if level.get("epsilon") is not None]
+    return f"ε ≤ {max(spent):.3g}" if spent else "ε not recorded"
+
+
+def privacy_tables(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Per scenario: accuracy (mean ± std over seeds, last 5 rounds) per row and noise
+    multiplier, then every paired difference with its 95% interval."""
+    parts = []
+    for scenario, rows in stats.items():
+        levels = sorted({z for row in rows.values() for z in row["levels"]})
+        spent = {z: _epsilon([row["levels"][z] for row in rows.values() if z in row["levels"]])
+                 for z in levels}
+        header = " | ".join(f"z = {z} ({spent[z]})" for z in levels)
+        lines = [f"### {scenario}\n", f"| row | no DP | {header} |",
+                 "|---|---|" + "---|" * len(levels)]
+        for label, row in rows.items():
+            clean = _figure(row["none"]) if "none" in row else "-"
+            lines.append(f"| {label} | {clean} | " + " | ".join(
+                _figure(row["levels"].get(z, {})) for z in levels) + " |")
+        lines += ["", "Paired differences in accuracy points [95% interval], at the same "
+                  "noise multiplier (the same epsilon):", "",
+                  "| row | z | vs " + " | vs ".join(protocol.PRIVACY_REFERENCES)
+                  + " | vs itself without DP |", "|---|---|---|---|---|"]
+        for label, row in rows.items():
+            for z in levels:
+                if z not in row["levels"]:
+                    continue
+                found = differences(rows, label, z)
+                lines.append(f"| {label} | {z} | " + " | ".join(
+                    points(d) if (d := found.get(name)) is not None else "-"
+                    for name in (*protocol.PRIVACY_REFERENCES, "no DP")) + " |")
+        parts.append("\n".join(lines) + f"\n\n![{scenario}](matrix/privacy-{scenario}.png)\n")
+    return "\n".join(parts)
+
+
+def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
+    """Accuracy (mean ± std over seeds) against the epsilon spent, one line per row through
+    its noise multipliers, its accuracy without DP a dotted line; one figure per scenario."""
+    written = []
+    for scenario, rows in stats.items():
+        fig, (ax,) = figure(7, 4.5)
+        for index, (label, row) in enumerate(rows.items()):
+            style = row_style(index)
+            measured = sorted((level["epsilon"], *level["accuracy"])
+                             for level in row["levels"].values()
+                             if "accuracy" in level and level.get("epsilon"))
+            if measured:
+                epsilons, means, stds = zip(*measured, strict=True)
+                ax.errorbar(epsilons, means, yerr=stds, label=label, color=style["color"],
+                            linestyle=style["linestyle"], marker=style["marker"], capsize=2)
+            if "none" in row:
+                ax.axhline(row["none"]["accuracy"][0], color=style["color"], linestyle=":",
+                           linewidth=0.8)
+        ax.set(xscale="log", xlabel="epsilon spent (log; local DP)",
+               ylabel="personalized accuracy (last 5 rounds)",
+               title=f"{scenario}: accuracy under DP (dotted: without DP)")
+        ax.legend(fontsize=7)
+        save(fig, out / "matrix" / f"privacy-{scenario}.png")
+        written.append(f"privacy-{scenario}.png")
+    return written
+
+
+def privacy_summary(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """``summary.json``'s ``privacy``: the protocol and every row's figures (fractions)."""
+    def level_entry(rows: dict[str, Any], label: str, z: float) -> dict[str, Any]:
+        level = rows[label]["levels"][z]
+        return {"epsilon": level.get("epsilon"), "delta": level.get("delta"),
+                "diverged_seeds": level.get("diverged", []),
+                **({"mean": level["accuracy"][0], "std": level["accuracy"][1],
+                    "per_seed": {str(s): f["accuracy"] for s, f in level["per_seed"].items()}}
+                   if "accuracy" in level else {}),
+                "vs": {name: (None if d is None else
+                              {"mean_diff": d["mean_diff"], "ci95": d["ci95"],
+                               "paired_diffs": d["paired_diffs"]})
+                       for name, d in differences(rows, label, z).items()}}
+
+    return {"mode": "local", "clip_norm": protocol.PRIVACY_CLIP_NORM,
+            "noise_multipliers": list(protocol.NOISE_MULTIPLIERS),
+            "references": list(protocol.PRIVACY_REFERENCES),
+            "rows": {f"{scenario}/{label}": {
+                **({"none": {"mean": row["none"]["accuracy"][0],
+                             "std": row["none"]["accuracy"][1]}} if "none" in row else {}),
+                "levels": {str(z): level_entry(rows, label, z) for z in sorted(row["levels"])}}
+                for scenario, rows in stats.items() for label, row in rows.items()}}
