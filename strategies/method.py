@@ -90,12 +90,15 @@ class Method(Generic[MethodSettingsT]):
     dp_refused: dict[str, str] = field(default_factory=dict)
 
     def build_model(self, settings: RunSettings) -> nn.Module:
-        """The run's model, identical on the server and on every client (seeded init)."""
+        """The run's model, identical on the server and on every client: initialised from
+        ``seed`` in a fork of the CPU generator, so that the caller's random state is left as
+        it was (the train handler seeds its own)."""
         input_shape, num_classes = dataset_shape(settings)
-        torch.manual_seed(settings.seed)
-        backbone = build_backbone(default_model(settings), input_shape, num_classes,
-                                  settings.mlp_hidden)
-        return self.transform(backbone, settings)
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(settings.seed)
+            backbone = build_backbone(default_model(settings), input_shape, num_classes,
+                                      settings.mlp_hidden)
+            return self.transform(backbone, settings)
 
     def wire_spec(self, settings: RunSettings, model: nn.Module | None = None) -> WireSpec:
         """The run's wire spec, from ``model`` or, without one, from the model built on the

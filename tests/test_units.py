@@ -262,3 +262,17 @@ def test_lenet5_is_lenet_on_28x28_and_runs_from_8x8():
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())  # FedBN's part
     assert build_backbone("lenet5", (1, 8, 8), 10)(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "feddecomp", "factorized-fl"])
+def test_building_the_model_leaves_the_callers_random_state_as_it_was(method):
+    """Every build gives the same weights (seeded init), and a draw after it is the draw the
+    caller's own seed gives, as if no model had been built."""
+    settings = load_settings(app_config(method=method))
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first = build_model(settings).state_dict()
+    assert torch.equal(torch.rand(3), expected)
+    second = build_model(settings).state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
