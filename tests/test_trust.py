@@ -254,6 +254,21 @@ def test_example_counts_are_pinned_at_the_first_report():
         assert valid[0].num_examples == 50
 
 
+def test_bounding_example_counts_leaves_the_replies_it_reads_as_they_were():
+    from common.protocol import ClientReply
+    from strategies.engine.robust import ExampleCounts
+
+    def reply(examples: int) -> ClientReply:
+        return ClientReply(100, "0", ArrayRecord(), MetricRecord({NUM_EXAMPLES: examples}),
+                           ConfigRecord())
+
+    counts = ExampleCounts()
+    counts.bound("train", [reply(50)])
+    inflated = reply(5000)
+    [bounded] = counts.bound("train", [inflated])
+    assert bounded.num_examples == 50 and inflated.num_examples == 5000
+
+
 # ---------------------------------------------------------------------- robust rules
 @pytest.mark.parametrize(("rule", "clip"), [("median", 0.0), ("trimmed-mean", 0.0),
                                             ("mean", 1.0)])

@@ -146,9 +146,8 @@ class ReplyCheck:
         valid = valid_replies(self.ledger, self.nodes, server_round, stage, batch,
                               metric_keys, self.settings.round_timeout, expected_arrays,
                               max_examples=self.settings.max_num_examples)
-        if stage in ("train", "evaluate"):
-            self.example_counts.bound(stage, valid)
-        return valid
+        return (self.example_counts.bound(stage, valid) if stage in ("train", "evaluate")
+                else valid)
 
     def valid_envelopes(self, server_round: int, stage: str, batch: Exchange,
                         metric_keys: tuple[str, ...]) -> list[ClientReply]:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from logging import WARNING
 
 import numpy as np
@@ -40,15 +41,21 @@ class ExampleCounts:
     def __init__(self) -> None:
         self.pinned: dict[str, dict[str, int]] = {}
 
-    def bound(self, stage: str, replies: list[ClientReply]) -> None:
-        """Lower each reply's ``num-examples`` to its client's first report of ``stage``."""
+    def bound(self, stage: str, replies: list[ClientReply]) -> list[ClientReply]:
+        """The replies, each whose ``num-examples`` exceeds its client's first report of
+        ``stage`` replaced by a copy carrying that first report (the replies given are left
+        as they were)."""
+        bounded = []
         for reply in replies:
             first = self.pinned.setdefault(reply.client_id, {}).setdefault(
                 stage, reply.num_examples)
             if reply.num_examples > first:
                 log(WARNING, "client %s reports %d %s examples, first %d: weighted as %d",
                     reply.client_id, reply.num_examples, stage, first, first)
-                reply.metrics[NUM_EXAMPLES] = first
+                reply = replace(reply, metrics=MetricRecord({**reply.metrics,
+                                                             NUM_EXAMPLES: first}))
+            bounded.append(reply)
+        return bounded
 
 
 def is_plain_mean(settings: RunSettings) -> bool:
