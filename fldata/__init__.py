@@ -145,7 +145,9 @@ def synthetic_generator(settings: RunSettings) -> SyntheticFedFac:
 
 
 def dataset_shape(settings: RunSettings) -> tuple[tuple[int, ...], int]:
-    """(input shape, number of classes) of the run's dataset, without loading it."""
+    """(input shape, number of classes) of the run's dataset: from its table entry or from
+    ``input-shape`` and ``num-classes`` when known, else read off its pool (a local file or
+    digits: loaded once per process, ``_local_pool``'s cache)."""
     if settings.dataset == "synthetic-fedfac":
         return (SyntheticSettings.parse(settings.raw).dim,), 2
     if settings.dataset in DATASETS:
