@@ -222,6 +222,26 @@ def test_fused_and_separate_evaluations_carry_task_accuracy_and_bad_values_are_d
 
 
 @pytest.mark.usefixtures("server_task")
+def test_a_fused_evaluation_weighs_a_client_by_its_first_reported_test_examples():
+    """Client 3 reports 40 test examples, then 4,000: its second evaluation still weighs 40
+    (inflating its count would pull the weighted accuracy towards its own)."""
+    strategy, _ = _strategy()
+    for server_round, inflated in ((1, 40), (2, 4000)):
+        sent, replies = [], []
+        for partition, accuracy, examples in ((3, 0.6, inflated), (4, 1.0, 40)):
+            message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: server_round})}),
+                              dst_node_id=100 + partition, message_type=MessageType.TRAIN)
+            sent.append(message)
+            replies.append((100 + partition, _reply(message, partition, {
+                NUM_EXAMPLES: 50, "train-loss": 1.0, EVAL_ACCURACY: accuracy,
+                EVAL_EXAMPLES: examples})))
+        strategy.evaluation.split_off(server_round, Exchange(sent, replies), Exchange([], []),
+                                      {103, 104})
+        assert strategy.ledger.record(server_round).eval["accuracy_weighted"] == \
+            pytest.approx(0.8)
+
+
+@pytest.mark.usefixtures("server_task")
 def test_the_evaluate_exchange_records_task_accuracy(monkeypatch):
     """The two-exchange protocol (and the last round of the fused one): the evaluate
     exchange's replies give the round's ``accuracy_task_mean``."""

@@ -128,7 +128,7 @@ class PendingEvaluation:
             except ReplyError as reason:
                 self.ledger.drop(server_round, "evaluate", reply.node_id, reply.client_id,
                                  str(reason))
-        self.replies.example_counts.bound("evaluate", fused)  # their test examples
+        fused = self.replies.example_counts.bound("evaluate", fused)  # their test examples
         self.ledger.client_cpu(server_round, "evaluate", valid)
         self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
         scores = scores_of(valid + fused)
