@@ -6,8 +6,7 @@ every paper method (and DP) through a loopback deployment whose sites train on t
 - bare: ``bench/overhead.py``'s bare loop (FedAvg, no Flower) on a matrix cell's
   configuration (Dirichlet 0.1 over 20 clients of the report pool, LeNet-5, 5 local
   epochs), with ``device=cuda`` and with ``device=cpu`` at one thread (as each Ray worker of
-  the matrix trains); both must reach the same accuracy within a point (cuDNN's kernels
-  differ from the CPU's in the last bits).
+  the matrix trains); the mean of all rounds, the first (CUDA's warm-up) included.
 - deployment: ``flower-superlink`` plus ``--sites`` ``pflower-supernode`` sites
   (``launch/deployment.py``: each site's ClientApps forked warm, CUDA initialised in each
   child), ``device=cuda`` in the run config, so a client that cannot train on the GPU fails

@@ -1,7 +1,11 @@
 """The privacy-utility evidence (``protocol.PRIVACY``), from the stored cells: each row's
 accuracy under local DP at each noise multiplier, the epsilon it spent, and paired intervals
-against FedAvg and FedPer at the same noise multiplier (so at the same epsilon) and against
-the row itself without DP."""
+against FedAvg and FedPer at the same noise multiplier and against the row itself without DP.
+The same noise multiplier is the same epsilon where every client takes part in every round
+(Dirichlet 0.1); on cross-device a client's epsilon grows with its draws, which differ from
+run to run, and a level reports the most any of its runs spent. A seed that diverged has no
+accuracy: a difference is over the seeds both sides have, and says so when they are fewer
+than the report seeds."""
 
 from __future__ import annotations
 
@@ -65,6 +69,14 @@ def _figure(level: Level) -> str:
     return f"{mean:.4f} ± {std:.4f}{diverged}"
 
 
+def _difference(difference: dict[str, Any] | None) -> str:
+    if difference is None:
+        return "-"
+    fewer = len(difference["seeds"]) < len(protocol.REPORT_SEEDS)
+    seeds = ", ".join(map(str, difference["seeds"]))
+    return points(difference) + (f" (seeds {seeds} only)" if fewer else "")
+
+
 def _epsilon(levels: list[Level]) -> str:
     spent = [level["epsilon"] for level in levels if level.get("epsilon") is not None]
     return f"ε ≤ {max(spent):.3g}" if spent else "ε not recorded"
@@ -86,7 +98,7 @@ def privacy_tables(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
             lines.append(f"| {label} | {clean} | " + " | ".join(
                 _figure(row["levels"].get(z, {})) for z in levels) + " |")
         lines += ["", "Paired differences in accuracy points [95% interval], at the same "
-                  "noise multiplier (the same epsilon):", "",
+                  "noise multiplier, over the seeds both sides have:", "",
                   "| row | z | vs " + " | vs ".join(protocol.PRIVACY_REFERENCES)
                   + " | vs itself without DP |", "|---|---|---|---|---|"]
         for label, row in rows.items():
@@ -95,7 +107,7 @@ def privacy_tables(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
                     continue
                 found = differences(rows, label, z)
                 lines.append(f"| {label} | {z} | " + " | ".join(
-                    points(d) if (d := found.get(name)) is not None else "-"
+                    _difference(found.get(name))
                     for name in (*protocol.PRIVACY_REFERENCES, "no DP")) + " |")
         parts.append("\n".join(lines) + f"\n\n![{scenario}](matrix/privacy-{scenario}.png)\n")
     return "\n".join(parts)
