@@ -85,7 +85,7 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
 
 def test_a_privacy_cell_waits_for_its_row_to_be_tuned(tmp_path):
     entry = protocol.Ablation(SCENARIO, "fedper", protocol.privacy_change(0.1), "")
-    assert Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3).privacy(entry) == []
+    assert Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3).privacy(entry) == ([], [])
 
 
 @pytest.mark.integration
@@ -97,10 +97,10 @@ def test_a_privacy_cell_runs_the_rows_tuned_configuration_under_local_dp(federat
     offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
     config = _tune(offline, "fedper")
 
-    [(cell, clean)] = Matrix(federation, COMMON_DIGITS, tmp_path, num_clients=3).privacy(entry)
-    assert clean is None  # the row's report seed without DP has not run
+    [cell], clean = Matrix(federation, COMMON_DIGITS, tmp_path, num_clients=3).privacy(entry)
+    assert clean == []  # the row's report seed without DP has not run
     assert cell["stage"] == "privacy" and cell["config"] == {**config, **entry.change}
     assert cell["run_config"]["num-server-rounds"] == COMMON_DIGITS["num-server-rounds"]
     assert cell["run_config"]["dp.mode"] == "local"
     assert cell["privacy"]["epsilon"] > 0 and cell["privacy"]["noise_multiplier"] == 0.01
-    assert offline.privacy(entry) == [(cell, None)]  # stored: not run again
+    assert offline.privacy(entry) == ([cell], [])  # stored: not run again

@@ -188,21 +188,22 @@ class Matrix:
             may_run=may_run)) is not None]
 
     def privacy(self, entry: Ablation, may_run: bool = True
-                ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
-        """A privacy cell (``protocol.PRIVACY``) on each report seed, each beside its row's
-        report cell of the same seed without DP (None while missing): the row's tuned
-        configuration at its scenario's rounds, never a doubled length, so that every row
-        spends the same epsilon at a noise level. Empty before the row is tuned."""
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """A privacy cell (``protocol.PRIVACY``) on each report seed, and the row's report
+        cells without DP at the same configuration (both empty before the row is tuned): the
+        row's tuned configuration at its scenario's rounds, never a doubled length, so that
+        every row spends the same epsilon at a noise level."""
         [(_, item)] = select([entry.scenario], [f"{entry.scenario}/{entry.label}"])
         config, tuned = self.tuned(entry.scenario, item, tune=False)
         if not tuned:
-            return []
-        return [(cell, self.cell(entry.scenario, item, "report", config, seed, may_run=False))
-                for seed in protocol.REPORT_SEEDS
-                if (cell := self.cell(entry.scenario, item, "privacy",
-                                      {**config, **entry.change}, seed, may_run=may_run))
-                is not None]
-
+            return [], []
+        private = [c for seed in protocol.REPORT_SEEDS
+                   if (c := self.cell(entry.scenario, item, "privacy", {**config, **entry.change},
+                                      seed, may_run=may_run)) is not None]
+        clean = [c for seed in protocol.REPORT_SEEDS
+                 if (c := self.cell(entry.scenario, item, "report", config, seed,
+                                    may_run=False)) is not None]
+        return private, clean
 
 def divergence(out: Path) -> str | None:
     """Why a failed run under ``out`` diverged (its clients' losses or arrays stopped being

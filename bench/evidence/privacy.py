@@ -27,20 +27,19 @@ def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
     losses stopped being finite: no accuracy)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for entry in protocol.PRIVACY:
-        pairs = matrix.privacy(entry, may_run=False)
-        if not pairs:
+        cells, clean = matrix.privacy(entry, may_run=False)
+        if not cells:
             continue
-        private = {c["seed"]: c for c, _ in pairs if c.get("status") != "diverged"}
-        clean = {r["seed"]: r for _, r in pairs if r is not None}
+        private = {c["seed"]: c for c in cells if c.get("status") != "diverged"}
         spent = [c["privacy"] for c in private.values() if "privacy" in c]
         row = out.setdefault(entry.scenario, {}).setdefault(entry.label, {"levels": {}})
-        if clean:
-            row["none"] = method_stats(clean)
+        if clean and "none" not in row:  # the same cells for every level
+            row["none"] = method_stats({c["seed"]: c for c in clean})
         row["levels"][entry.change["dp.noise-multiplier"]] = {
             **(method_stats(private) if private else {}),
             "epsilon": max((p["epsilon"] for p in spent), default=None),
             "delta": spent[0]["delta"] if spent else None,
-            "diverged": sorted(c["seed"] for c, _ in pairs if c.get("status") == "diverged")}
+            "diverged": sorted(c["seed"] for c in cells if c.get("status") == "diverged")}
     return out
 
 
