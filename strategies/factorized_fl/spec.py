@@ -25,7 +25,7 @@ from common.config import KeyGroup, RunSettings, key
 from common.protocol import ArraySpec
 from fldata import dataset_shape
 from models.factorized_fl import MU_INITS, factorized_layers, matching_key
-from strategies.wire import Masks, WireSpec, state_keys, tensor_spec
+from strategies.wire import Masks, WireSpec, is_running_stat, state_keys, tensor_spec
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class FactorsShared(WireSpec[FactorizedFLSettings]):
         private = ("head.", ) if variant == "uvm" else (
             "head.", *(f"{layer}.{factor}" for layer in layers for factor in ("v", "mu")))
         return [k for k in state_keys(model)
-                if not k.startswith(private) and "running_" not in k]
+                if not k.startswith(private) and not is_running_stat(k)]
 
     def uplink_spec(self, info: Mapping[str, Any], masks: Masks | None) -> ArraySpec:
         """The shared keys plus the matching vector."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from common.config import ConfigError, KeyGroup, RunSettings, key, leaves_shared_epochs
 from models.feddecomp import TAU_SCALES, is_personal_key
-from strategies.wire import WireSpec, state_keys
+from strategies.wire import WireSpec, is_running_stat, state_keys
 
 
 @dataclass(frozen=True)
@@ -54,4 +54,4 @@ class SigmaShared(WireSpec[FedDecompSettings]):
     def select_shared(self, model: nn.Module) -> list[str]:
         personal_stats = self.settings.method_settings.bn_stats == "personal"
         return [k for k in state_keys(model) if not is_personal_key(k)
-                and not (personal_stats and "running_" in k)]
+                and not (personal_stats and is_running_stat(k))]
