@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunSettings
-from fldata import check_local_files
+from fldata import check_dataset, check_local_files
 from launch.app_project import app_defaults
-from server_app.rounds import CHECKPOINT
+from server_app.results import CHECKPOINT
 from server_app.tracking import check_installed
-from strategies.registry import load_settings
 
 # what a bare word may hold to be taken as a string: no spaces, quotes or brackets
 _BARE_WORD = re.compile(r"""[^\s"'\[\]{}]+""")
@@ -65,8 +64,12 @@ def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".") ->
                               "[tool.flwr.app.config] in pyproject.toml)")
     run_config = {**defaults, **overrides}
     general = RunSettings.from_run_config(run_config)  # files first: the model reads them
+    check_dataset(general)  # load_settings checks it too; here it needs no PyTorch
     check_local_files(general)
     if general.resume_from and not (Path(general.resume_from) / CHECKPOINT).exists():
         raise ConfigError(f"resume-from: no {CHECKPOINT} in {general.resume_from}")
     check_installed(general.trackers())  # in a simulation the ServerApp runs here
+    # imported here, not at the top: the registry imports PyTorch (seconds of CPU), and a
+    # mistake in a general key above is reported without it
+    from strategies.registry import load_settings
     return load_settings(run_config)

@@ -6,14 +6,16 @@ import time
 from datetime import UTC, datetime
 from logging import ERROR, INFO
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.common.logger import log
 
 from common.config import RunSettings
 from common.durable import write_json
 from server_app.tracking import Tracking
-from strategies.engine import RoundEngine
+
+if TYPE_CHECKING:  # the launcher reads CHECKPOINT from here without importing PyTorch
+    from strategies.engine import RoundEngine
 
 MB = 1024**2
 
