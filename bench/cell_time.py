@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.overhead import timed_run  # noqa: E402
-from bench.report import RESULTS, write_report  # noqa: E402
-from launch.federation import LocalFederation, warm_federation  # noqa: E402
+from bench.overhead import timed_run
+from bench.report import RESULTS, write_report
+from launch.federation import LocalFederation, warm_federation
 
 CELL_TIMEOUT = 1800  # seconds, as bench/evidence/cells.py gives a cell
 

@@ -19,11 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fldata import DATASETS
+from fldata.idx import find_idx_dir, search_dirs
 
-from fldata import DATASETS  # noqa: E402
-from fldata.idx import find_idx_dir, search_dirs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PACKAGES = {"fashion-mnist": "dataset-fashion-mnist"}  # Debian packages of IDX datasets
 

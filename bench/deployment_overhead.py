@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.report import RESULTS, write_report
+from launch.deployment import LocalDeployment
+from launch.federation import LocalFederation
 
-from bench.report import RESULTS, write_report  # noqa: E402
-from launch.deployment import LocalDeployment  # noqa: E402
-from launch.federation import LocalFederation  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PHASES = ("startup", "setup", "data", "train", "evaluate")
 

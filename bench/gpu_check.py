@@ -23,20 +23,18 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.evidence.protocol import COMMON, SCENARIOS, pool_file
+from bench.overhead import bare_loop
+from bench.report import RESULTS, write_report
+from launch.deployment import LocalDeployment
 
-from bench.evidence.protocol import COMMON, SCENARIOS, pool_file  # noqa: E402
-from bench.overhead import bare_loop  # noqa: E402
-from bench.report import RESULTS, write_report  # noqa: E402
-from launch.deployment import LocalDeployment  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEPLOYED = [("fedavg", {}), ("fedper", {}), ("feddecomp", {}), ("fedfac", {}),
             ("factorized-fl", {}), ("pfedc", {}),

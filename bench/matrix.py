@@ -41,16 +41,11 @@ always written from all cells present (plots in ``bench/results/matrix/``). The 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.evidence import protocol  # noqa: E402
-from bench.evidence.cells import Matrix, run, select  # noqa: E402
-from bench.evidence.claims import undecided  # noqa: E402
-from bench.evidence.protocol import (  # noqa: E402
+from bench.evidence import protocol
+from bench.evidence.cells import Matrix, run, select
+from bench.evidence.claims import undecided
+from bench.evidence.protocol import (
     ABLATIONS,
     COMMON,
     PRIVACY,
@@ -58,7 +53,8 @@ from bench.evidence.protocol import (  # noqa: E402
     TUNING,
     pool_file,
 )
-from bench.evidence.report import judged, write_report  # noqa: E402
+from bench.evidence.report import judged, write_report
+from launch.federation import warm_federation
 
 
 def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
@@ -72,7 +68,6 @@ def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
         config, _ = matrix.reported(scenario, item)
         for seed in protocol.EXTRA_SEEDS:
             matrix.cell(scenario, item, "report", config, seed)
-from launch.federation import warm_federation  # noqa: E402
 
 
 def main() -> None:

@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,19 +38,17 @@ from pathlib import Path
 from statistics import median
 
 import torch
+from flwr.app import Context, RecordDict
+
+from bench.report import write_report
+from client_app.runtime import Client
+from launch.app_project import app_defaults
+from launch.federation import LocalFederation, warm_federation
+from launch.warm_start import ForkServer
+from strategies.registry import build_model
+from strategies.training import LocalTraining, evaluate_model
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from flwr.app import Context, RecordDict  # noqa: E402
-
-from bench.report import write_report  # noqa: E402
-from client_app.runtime import Client  # noqa: E402
-from launch.app_project import app_defaults  # noqa: E402
-from launch.federation import LocalFederation, warm_federation  # noqa: E402
-from launch.warm_start import ForkServer  # noqa: E402
-from strategies.registry import build_model  # noqa: E402
-from strategies.training import LocalTraining, evaluate_model  # noqa: E402
 
 
 def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:

@@ -8,16 +8,9 @@ transformed model and its difference to FedAvg's, and writes bench/results/param
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-from bench.report import write_report  # noqa: E402
-from launch.app_project import app_defaults  # noqa: E402
-from strategies.registry import REGISTRY, build_model, load_settings  # noqa: E402
+from bench.report import write_report
+from launch.app_project import app_defaults
+from strategies.registry import REGISTRY, build_model, load_settings
 
 SCENARIOS = {"digits / cnn": {"dataset": "digits", "model": "cnn"},
              "cifar10 / resnet18": {"dataset": "cifar10", "model": "resnet18"}}

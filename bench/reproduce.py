@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.evidence.cells import Matrix  # noqa: E402
-from bench.evidence.protocol import COMMON, SCENARIOS, cell_path, pool_file  # noqa: E402
-from bench.report import RESULTS, write_report  # noqa: E402
-from launch.federation import warm_federation  # noqa: E402
+from bench.evidence.cells import Matrix
+from bench.evidence.protocol import COMMON, SCENARIOS, cell_path, pool_file
+from bench.report import RESULTS, write_report
+from launch.federation import warm_federation
 
 SCENARIO = "dirichlet-0.1"
 SEED = 1

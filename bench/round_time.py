@@ -22,14 +22,10 @@ import json
 import shlex
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.report import RESULTS, write_report  # noqa: E402
-from bench.run_methods import parse_entry, parse_overrides, run_methods  # noqa: E402
+from bench.report import RESULTS, write_report
+from bench.run_methods import parse_entry, parse_overrides, run_methods
 
 
 def interleaved(baseline: str, methods: list[str], repeats: int) -> list[str]:

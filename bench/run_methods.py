@@ -26,14 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.report import RESULTS, write_report
+from comparison.runs import RunStore
+from launch.app_project import app_defaults
+from launch.compare import parse_row
+from launch.federation import warm_federation
+from launch.run_config import parse_overrides as launch_overrides
+from strategies.registry import REGISTRY
 
-from bench.report import RESULTS, write_report  # noqa: E402
-from launch.app_project import app_defaults  # noqa: E402
-from launch.compare import parse_row  # noqa: E402
-from launch.federation import warm_federation  # noqa: E402
-from launch.run_config import parse_overrides as launch_overrides  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MB = 1024**2
 
@@ -131,23 +132,23 @@ def parse_entry(entry: str) -> tuple[str, str, dict[str, Any]]:
 
 def run_methods(entries: list[str], overrides: dict[str, Any], supernodes: int
                 ) -> list[dict[str, Any]]:
-    """Run each ``--methods`` entry on one private SuperLink; one summary row per run."""
+    """Run each ``--methods`` entry on one private SuperLink (``comparison.runs``, into a
+    temporary folder: always run); one summary row per run."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp, warm_federation() as fed:
+        store = RunStore(app_defaults(ROOT), REGISTRY, lambda config, context: fed.run(
+            ROOT, config, num_supernodes=context["num_clients"]))
         for i, entry in enumerate(entries):
             label, method, extra = parse_entry(entry)
             out = Path(tmp) / f"{i}-{method}"
             config = {**overrides, **extra, "method": method, "output-dir": str(out),
                       "plot": False}
-            run = fed.run(ROOT, config, num_supernodes=supernodes)
-            if not run.ok:
-                print(run.output[-4000:], file=sys.stderr)
-                raise SystemExit(f"{label}: run failed ({run.status})")
+            if store.get(out.with_suffix(".json"), config, name=label,
+                         context={"num_clients": supernodes}) is None:
+                raise SystemExit(f"{label}: run failed ({store.failed[-1]})")
             row = summarize(label, json.loads((out / "results.json").read_text()))
             rows.append(row)
-            print(f"{label}: acc weighted {row['accuracy_weighted']:.4f} "
-                  f"min {row['accuracy_min']:.4f} | {row['seconds_per_round']:.2f} s/round",
-                  flush=True)
+            print(f"{label}: {row['seconds_per_round']:.2f} s/round", flush=True)
     return rows
 
 

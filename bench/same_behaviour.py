@@ -22,11 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.report import write_report
+from launch.federation import warm_federation
 
-from bench.report import write_report  # noqa: E402
-from launch.federation import warm_federation  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHORT = {"num-server-rounds": 3, "local-epochs": 2, "plot": False}
 METHODS = ["fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn", "fedavg-ft", "feddecomp",

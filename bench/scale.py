@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -33,13 +32,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.report import RESULTS, write_report
+from common.durable import load_tree, save_tree
+from launch.federation import LocalFederation
+from server_app.rounds import CHECKPOINT
 
-from bench.report import RESULTS, write_report  # noqa: E402
-from common.durable import load_tree, save_tree  # noqa: E402
-from launch.federation import LocalFederation  # noqa: E402
-from server_app.rounds import CHECKPOINT  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MB = 1024**2
 POOL_SIZE = 20_000

@@ -10,18 +10,19 @@ value list ``a|b`` makes a grid. ``--lr-grid`` gives every row the same learning
 Protocol (docs/comparing.md): a row with more than one configuration is tuned first, each
 configuration run once on ``--tuning-seed`` (not a report seed) with ``--validation-fraction``
 of every client's training share held out as its validation split, and the one with the best
-mean validation accuracy over its last rounds is kept (``launch.comparison.choose``: no test
+mean validation accuracy over its last rounds is kept (``comparison.stats.choose``: no test
 split is read to choose); then every row runs its configuration on each of ``--seeds``.
 The report (``report.md``, ``summary.json`` and two plots) gives, per row, the
-statistics of ``launch/comparison.py`` (the evidence matrix's): the mean of the last 5
+statistics of ``comparison/stats.py`` (the evidence matrix's): the mean of the last 5
 rounds' personalized accuracy over seeds, the lowest client's, the slope over the last 10
 rounds, uplink and time, and the paired difference per seed against ``--reference`` with its
 95% interval.
 
 Everything is written under ``--out`` (default ``outputs/compare-<UTC time>`` in the current
-folder), each run in ``runs/<row>/<stage>-<config>-seed<k>/``. A run that completed with the
-same config is not run again: an interrupted comparison resumes. Exit 0 when every run
-completed, 1 when some failed (the report says which), 2 for a mistake in the command.
+folder), each run in ``runs/<row>/<stage>-<config>-seed<k>/`` with its record beside it
+(``comparison.runs``): a run whose record is current is not run again, so an interrupted
+comparison resumes. Exit 0 when every run completed, 1 when some failed (the report says
+which), 2 for a mistake in the command.
 """
 
 from __future__ import annotations
@@ -38,20 +39,20 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
-from launch.app_project import app_defaults
-from launch.compare_report import write_report
-from launch.comparison import (
+from comparison.report import write_report
+from comparison.runs import RunStore
+from comparison.stats import (
     accuracy_difference,
     choose,
-    comparable_config,
     config_tag,
     judge_difference,
     method_stats,
     run_figures,
-    summarize_run,
 )
-from launch.federation import LocalFederation, warm_federation
+from launch.app_project import app_defaults
+from launch.federation import FlowerRun, LocalFederation, warm_federation
 from launch.run_config import check_run_config, parse_overrides
+from strategies.registry import REGISTRY
 
 APP_ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,8 @@ def parse_row(entry: str, defaults: dict[str, Any], lr_grid: Sequence[float]) ->
 
 
 class Comparison:
-    """The rows' runs under ``out`` on one federation: stored runs are read, others run."""
+    """The rows' runs under ``out`` on one federation (``comparison.runs``): stored runs are
+    read while current, others run."""
 
     def __init__(self, federation: LocalFederation | None, app: Path, base: dict[str, Any],
                  out: Path, federation_config: dict[str, Any], run_timeout: float,
@@ -93,8 +95,7 @@ class Comparison:
         self.validation_fraction = validation_fraction  # of a tuning run's training shares
         # the simulation's size and each client's resources (LocalFederation.federation_config)
         self.out, self.federation_config, self.run_timeout = out, federation_config, run_timeout
-        self.defaults = app_defaults(app)
-        self.failed: list[str] = []
+        self.store = RunStore(app_defaults(app), REGISTRY, self._run, prefix="[compare] ")
 
     def run_config(self, row: Row, stage: str, config: dict[str, Any], seed: int
                    ) -> dict[str, Any]:
@@ -116,39 +117,26 @@ class Comparison:
                 except ConfigError as error:
                     raise ConfigError(f"{row.label} {config_tag(config)}: {error}") from None
 
-    def comparable(self, run_config: dict[str, Any]) -> dict[str, Any]:
-        """What a run's numbers depend on (``comparable_config``), today's defaults filling
-        the keys its config lacks."""
-        return comparable_config({**self.defaults, **run_config})
-
     def summary(self, row: Row, stage: str, config: dict[str, Any], seed: int
                 ) -> dict[str, Any] | None:
-        """The run's summary (``launch.comparison.summarize_run``): read if it completed
-        under the same config, else run; None if it failed."""
-        out = (self.out / "runs" / row.label
-               / f"{stage}-{config_tag(config)}-seed{seed}").resolve()
-        run_config = {**self.run_config(row, stage, config, seed), "output-dir": str(out)}
-        results_path = out / "results.json"
-        if results_path.exists():
-            stored = json.loads(results_path.read_text())
-            if (stored.get("status") == "completed" and "config" in stored
-                    and self.comparable(stored["config"]) ==
-                    self.comparable(run_config)):
-                return summarize_run(stored)
-        if self.federation is None:
-            return None
-        print(f"[compare] {row.label} {stage} {config_tag(config)} seed {seed}", flush=True)
+        """The run's record (``comparison.runs``: its summary, ``summarize_run``'s keys):
+        stored if it is current, else run; None if it failed."""
+        name = f"{stage}-{config_tag(config)}-seed{seed}"
+        out = (self.out / "runs" / row.label / name).resolve()
+        return self.store.get(
+            out.with_name(f"{name}.json"),
+            {**self.run_config(row, stage, config, seed), "output-dir": str(out)},
+            name=f"{row.label} {stage} {config_tag(config)} seed {seed}",
+            about={"label": row.label, "stage": stage, "config": config, "seed": seed},
+            context={"num_clients": self.federation_config["num-supernodes"]},
+            may_run=self.federation is not None)
+
+    def _run(self, run_config: dict[str, Any], context: dict[str, Any]) -> FlowerRun:
         # flwr_run, not run: ``check`` has checked every configuration already; a run past
         # --run-timeout is stopped by flwr_run, so that it does not compete with the next one
-        run = self.federation.flwr_run(self.app, run_config, self.federation_config,
-                                       timeout=self.run_timeout)
-        if not run.ok:
-            reason = run.reason or run.status or "did not start"
-            self.failed.append(f"{row.label} {stage} {config_tag(config)} seed {seed}: "
-                               f"{reason}")
-            print(f"[compare] failed: {self.failed[-1]}", file=sys.stderr, flush=True)
-            return None
-        return summarize_run(json.loads(results_path.read_text()))
+        assert self.federation is not None
+        return self.federation.flwr_run(self.app, run_config, self.federation_config,
+                                        timeout=self.run_timeout)
 
     def tune(self, row: Row, tuning_seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The row's configuration: its only one, or the grid's best on the tuning seed
@@ -179,7 +167,7 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
                                             "budgets": budgets(rows),
                                             "reference": reference, "margin": margin,
                                             "base_config": comparison.base},
-                               "rows": {}, "failed": comparison.failed}
+                               "rows": {}, "failed": comparison.store.failed}
     for row in rows:
         try:
             chosen, tried = comparison.tune(row, tuning_seed)

@@ -24,7 +24,9 @@ LAYERS = [
     {"fldata", "models"},        # data and models (method transforms included)
     {"strategies"},              # method code and the registry
     {"client_app", "server_app"},  # the two Flower entry points
+    {"comparison"},              # comparing methods over seeds: reuse or run, statistics
     {"launch"},                  # launchers and the run-config check before Flower starts
+    {"bench"},                   # benchmarks and the evidence matrix
 ]
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 # method homes: package or module under strategies/ -> the method names it holds
@@ -72,6 +74,12 @@ def _internal(name: str, modules: dict) -> str | None:
     while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None
+
+
+def test_every_top_level_package_has_a_layer():
+    """A new top-level package is placed in ``LAYERS`` (the tests are no layer)."""
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert packages == set(LAYER_OF), packages ^ set(LAYER_OF)
 
 
 def test_layers_only_point_down(graph):
@@ -125,7 +133,8 @@ def test_registry_is_imported_only_by_the_entry_points(graph):
     importers = {module for module, imports in graph.items()
                  if any(t == "strategies.registry" or (t == "strategies" and "registry" in n)
                         for t, n in imports)}
-    assert {m.split(".")[0] for m in importers} <= {"client_app", "server_app", "launch"}
+    assert {m.split(".")[0] for m in importers} <= {"client_app", "server_app", "launch",
+                                                    "bench"}
 
 
 def test_each_method_lives_in_its_own_home(graph):

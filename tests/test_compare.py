@@ -1,5 +1,5 @@
 """The compare command (launch/compare.py) and the statistics it shares with the evidence
-matrix (launch/comparison.py). One real comparison, 2 methods x 2 seeds on digits with both
+matrix (comparison/stats.py). One real comparison, 2 methods x 2 seeds on digits with both
 trackers on, serves the tests that read it."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from comparison.stats import last_rounds_mean, paired_difference, slope
 from launch.app_project import app_defaults
 from launch.compare import main, parse_row
-from launch.comparison import last_rounds_mean, paired_difference, slope
 from launch.processes import free_port, stop_process_groups
 from tests.conftest import ROOT, read_mlflow_run, wait_for
 
@@ -243,6 +243,8 @@ def test_the_viewers_open_a_tracked_runs_store_over_http(compared):
 
 
 def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
+    """compare keeps each run's record beside its folder and reuses it by the one rule of
+    ``comparison.runs`` (tests/test_runs.py): here, through ``Comparison.summary``."""
     from launch.compare import Comparison
     from launch.federation import LocalFederation
 
@@ -250,30 +252,28 @@ def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
                             LocalFederation.federation_config(2, 1, 0.0), 60, 0.2)
     row = parse_row("fedavg", app_defaults(ROOT), [])
     out = tmp_path / "runs" / "fedavg" / "report-defaults-seed1"
-    out.mkdir(parents=True)
-    config = {**app_defaults(ROOT), **comparison.run_config(row, "report", {}, 1),
-              "output-dir": str(out)}
-    evaluated = {"accuracy_weighted": 0.5, "accuracy_min": 0.4}
-    results = {"status": "completed", "config": config,
-               "rounds": [{"round": 1, "bytes_up": 0, "eval": evaluated}],
-               "final": {**evaluated, "accuracy_mean": 0.5, "bytes_up_total": 0,
-                         "seconds_total": 1.0}}
-    (out / "results.json").write_text(json.dumps(results))
+    config = {**comparison.run_config(row, "report", {}, 1), "output-dir": str(out)}
+    record = {"resolved_config": comparison.store.resolved(config), "num_clients": 2,
+              "accuracy_per_round": [0.5]}
+    stored = out.with_name("report-defaults-seed1.json")
+    stored.parent.mkdir(parents=True)
+    stored.write_text(json.dumps(record))
     assert comparison.summary(row, "report", {}, 1)["accuracy_per_round"] == [0.5]
     # moved, or tracked this time: the same numbers
-    moved = {**config, "output-dir": "/elsewhere", "tracking": "mlflow"}
-    (out / "results.json").write_text(json.dumps({**results, "config": moved}))
+    moved = {**record["resolved_config"], "output-dir": "/elsewhere", "tracking": "mlflow"}
+    stored.write_text(json.dumps({**record, "resolved_config": moved}))
     assert comparison.summary(row, "report", {}, 1) is not None
-    # a default that changed since (the app's pyproject), or a failed run: not reused
-    (out / "results.json").write_text(json.dumps({**results, "config": {**config, "lr": 0.01}}))
+    # a default that changed since (the app's pyproject), or another number of clients: not
+    # reused
+    stored.write_text(json.dumps({**record, "resolved_config": {**moved, "lr": 0.01}}))
     assert comparison.summary(row, "report", {}, 1) is None
-    (out / "results.json").write_text(json.dumps({**results, "status": "failed"}))
+    stored.write_text(json.dumps({**record, "num_clients": 3}))
     assert comparison.summary(row, "report", {}, 1) is None
 
 
 def test_every_row_of_a_plot_has_its_own_colour_and_neighbours_differ_in_line_style():
     """The matrix's scenarios have up to 12 rows: no two may look alike."""
-    from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure
+    from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure
 
     rows = {f"method{i}": ([1, 2, 3], [[0.1 * i, 0.2, 0.3], [0.1, 0.2, 0.3]])
             for i in range(12)}

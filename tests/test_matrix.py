@@ -27,7 +27,7 @@ def _store(matrix: Matrix, scenario: str, item, config: dict, curve: list[float]
     path = protocol.cell_path(matrix.out, scenario, item.label, stage, config, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "run_config": run_config, "resolved_config": matrix.resolved(item.method, run_config),
+        "run_config": run_config, "resolved_config": matrix.store.resolved(run_config),
         "config": config, "num_clients": 3, "accuracy_per_round": curve, "accuracy_min": 0.0,
         "rounds": list(range(1, len(curve) + 1)),
         "evaluated_on": "validation" if stage == "tune" else "test", "seed": seed,
@@ -91,7 +91,7 @@ def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rou
 def test_a_configuration_that_diverged_is_a_result_of_the_search_never_chosen(tmp_path):
     """lr 0.3 diverged (its run failed on non-finite losses): stored, so the search is
     complete, and the best of the others is chosen."""
-    from bench.evidence.cells import divergence
+    from comparison.runs import divergence
 
     offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
     item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
@@ -291,17 +291,18 @@ def test_a_cell_is_stale_when_a_default_its_method_ran_under_changed(tmp_path):
 
     assert stored(offline, "fedavg") and stored(offline, "fedfac")
     changed = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
-    changed.defaults = {**changed.defaults, "fedfac.layers": "0"}
+    changed.store.defaults = {**changed.store.defaults, "fedfac.layers": "0"}
     # FedFac ran under -2: its cell is not today's; FedAvg's does not depend on FedFac's keys
     assert not stored(changed, "fedfac") and stored(changed, "fedavg")
-    changed.defaults = {**offline.defaults, "weight-decay": 0.1}  # a general one: every row's
+    # a general one: every row's
+    changed.store.defaults = {**offline.store.defaults, "weight-decay": 0.1}
     assert not stored(changed, "fedavg") and not stored(changed, "fedfac")
     # a key added since (a new option, its default keeping the old behaviour) is no change
-    changed.defaults = {**offline.defaults, "some-new-option": 1}
+    changed.store.defaults = {**offline.store.defaults, "some-new-option": 1}
     assert stored(changed, "fedavg") and stored(changed, "fedfac")
     # unless today's run sets it to another value than its default
     setting = Matrix(None, {**COMMON_DIGITS, "some-new-option": 2}, tmp_path, num_clients=3)
-    setting.defaults = changed.defaults
+    setting.store.defaults = changed.store.defaults
     assert not stored(setting, "fedavg")
     # the pool in another home's cache (another machine) is the same pool; another file of
     # the same name is not

@@ -12,7 +12,7 @@ import pytest
 from bench.evidence import protocol
 from bench.evidence.claims import claim_line, claims, undecided
 from bench.evidence.report import ablation_table
-from launch.comparison import config_tag
+from comparison.stats import config_tag
 from tests.conftest import ROOT
 
 

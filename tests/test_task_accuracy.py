@@ -40,8 +40,8 @@ from common.protocol import (
     identity_record,
 )
 from common.record import personalized_stats
+from comparison.stats import summarize_run
 from fldata import dataset_shape
-from launch.comparison import summarize_run
 from server_app.tracking import round_metrics
 from strategies.engine import RoundEngine
 from strategies.engine.exchange import Exchange

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +19,10 @@ from bench.evidence.protocol import (
     settings_stage,
 )
 from bench.report import RESULTS, produced_by
+from comparison.runs import RunStore
+from comparison.stats import choose, config_tag, slope
 from launch.app_project import app_defaults, app_packages
-from launch.comparison import choose, comparable_config, config_tag, slope, summarize_run
-from launch.federation import LocalFederation
+from launch.federation import FlowerRun, LocalFederation
 from strategies.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +43,7 @@ class Matrix:
         self.out = out
         self.num_clients = num_clients
         self.device = str(common.get("device", "auto"))
-        self.defaults = app_defaults(ROOT)
+        self.store = RunStore(app_defaults(ROOT), REGISTRY, self._run, stamp=self._stamp)
 
     def clients(self, scenario: str) -> int:
         return self.num_clients or SCENARIOS[scenario].num_clients
@@ -57,73 +56,40 @@ class Matrix:
         return {**common, **SCENARIOS[scenario].config, **item.fixed, **expand(config),
                 "method": item.method, "seed": seed, "output-dir": str(out)}
 
-    def resolved(self, method: str, run_config: dict[str, Any]) -> dict[str, Any]:
-        """The configuration a run of ``method`` resolves to (the app's defaults under
-        ``run_config``), less the keys of other methods (``fedfac.layers`` does not change a
-        FedAvg row's numbers)."""
-        return {k: v for k, v in {**self.defaults, **run_config}.items()
-                if k.split(".", 1)[0] in (k, method) or k.split(".", 1)[0] not in REGISTRY}
-
     def method_config(self, scenario: str, item: Entry, config: dict[str, Any]
                       ) -> dict[str, Any]:
         """A searched configuration in full: its learning rate and every setting of its
         method, defaults and the row's fixed ones included (what ``summary.json`` lists)."""
-        resolved = self.resolved(item.method, self.run_config(scenario, item, "report",
-                                                               config, 0, self.out))
+        resolved = self.store.resolved(self.run_config(scenario, item, "report", config, 0,
+                                                       self.out))
         return {k: v for k, v in resolved.items()
                 if k == "lr" or k.startswith(f"{item.method}.")}
 
     def cell(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
              seed: int, may_run: bool = True) -> dict[str, Any] | None:
-        """The stored cell, if it ran under today's protocol and defaults; else run it
-        (``may_run``)."""
+        """The stored cell, if it is current (``comparison.runs``: today's protocol,
+        defaults and number of clients); else run it (``may_run``). A tuning or privacy
+        cell that diverged is a result, stored as such."""
         path = cell_path(self.out, scenario, item.label, stage, config, seed, self.device)
         cells = self.out / "matrix" / cells_folder(self.device)
         out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
-        run_config = self.run_config(scenario, item, stage, config, seed, out)
-        resolved = self.resolved(item.method, run_config)
-        if path.exists():
-            stored = json.loads(path.read_text())
-            # filled with today's defaults: a key added since (a new option, its default
-            # keeping the old behaviour) is no change; a changed default or setting is
-            if ("resolved_config" in stored and stored.get("num_clients") == self.clients(scenario)
-                    and comparable_config(self.resolved(item.method, stored["resolved_config"]))
-                    == comparable_config(resolved)):
-                return stored
-            print(f"{path}: ran under another protocol (COMMON, the pool, the scenario, the "
-                  "number of clients or a default changed since); not used", file=sys.stderr)
-        if self.federation is None or not may_run:
-            return None
-        commit = produced_by("pyproject.toml", *app_packages())  # the code the run starts with
-        started = time.monotonic()
-        run = self.federation.run(ROOT, run_config, num_supernodes=self.clients(scenario),
-                                  timeout=3600)
-        wall = time.monotonic() - started
-        record = {"scenario": scenario, "label": item.label, "stage": stage,
-                  "config": config, "seed": seed, "run_config": run_config,
-                  "resolved_config": resolved, "num_clients": self.clients(scenario),
-                  "commit": commit, "wall_seconds": wall,
-                  "machine": f"{os.cpu_count()} CPU cores, device {self.device}"}
-        if not run.ok:
-            reason = divergence(out)
-            if stage not in ("tune", "privacy") or reason is None:
-                print(run.output[-3000:], file=sys.stderr)
-                print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: run failed "
-                      f"({run.status}); not stored, the next invocation tries again",
-                      file=sys.stderr)
-                return None
-            # a configuration of the search that diverged: a result of the search, which
-            # can never be chosen (launch.comparison.choose); under DP, a result of the noise
-            record.update(status="diverged", reason=reason)
-        else:
-            record.update(summarize_run(json.loads((out / "results.json").read_text())))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1))
-        figures = (f"diverged ({record['reason']})" if "reason" in record else
-                   f"acc {record['accuracy_weighted']:.4f} min {record['accuracy_min']:.4f}")
-        print(f"{scenario} {item.label} {config_tag(config)} seed {seed}: {figures} "
-              f"{wall:.0f} s", flush=True)
-        return record
+        return self.store.get(
+            path, self.run_config(scenario, item, stage, config, seed, out),
+            name=f"{scenario} {item.label} {config_tag(config)} seed {seed}",
+            about={"scenario": scenario, "label": item.label, "stage": stage,
+                   "config": config, "seed": seed},
+            context={"num_clients": self.clients(scenario)},
+            may_run=may_run and self.federation is not None,
+            diverged_is_result=stage in ("tune", "privacy"))
+
+    def _run(self, run_config: dict[str, Any], context: dict[str, Any]) -> FlowerRun:
+        assert self.federation is not None
+        return self.federation.run(ROOT, run_config, num_supernodes=context["num_clients"],
+                                   timeout=3600)
+
+    def _stamp(self) -> dict[str, Any]:
+        return {"commit": produced_by("pyproject.toml", *app_packages()),
+                "machine": f"{os.cpu_count()} CPU cores, device {self.device}"}
 
     def searched(self, scenario: str, item: Entry, tune: bool
                  ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
@@ -147,7 +113,7 @@ class Matrix:
     def tuned(self, scenario: str, item: Entry, tune: bool) -> tuple[dict[str, Any], bool]:
         """The configuration to report and whether the whole search ran for it: the best of
         the search by the mean of its last rounds on the tuning runs' validation splits
-        (``launch.comparison.choose``; never one round's, never a test split's)."""
+        (``comparison.stats.choose``; never one round's, never a test split's)."""
         return chosen(self.searched(scenario, item, tune))
 
     def reported(self, scenario: str, item: Entry, may_run: bool = False
@@ -204,18 +170,6 @@ class Matrix:
                  if (c := self.cell(entry.scenario, item, "report", config, seed,
                                     may_run=False)) is not None]
         return private, clean
-
-def divergence(out: Path) -> str | None:
-    """Why a failed run under ``out`` diverged (its clients' losses or arrays stopped being
-    finite, so that no reply was valid), or None where it failed otherwise (a crash, a
-    timeout: not stored, tried again)."""
-    path = out / "results.json"
-    if not path.exists():
-        return None
-    results = json.loads(path.read_text())
-    reason = str(results.get("reason", ""))
-    return reason if results.get("status") == "failed" and "not finite" in reason else None
-
 
 def chosen(searched: list[tuple[dict[str, Any], dict[str, Any] | None]]
            ) -> tuple[dict[str, Any], bool]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
-from launch.comparison import accuracy_difference, config_tag, judge_difference
+from comparison.stats import accuracy_difference, config_tag, judge_difference
 
 BEST_BASELINE = BASELINES
 

@@ -14,15 +14,15 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
-from launch.comparison import accuracy_difference, method_stats, points
-from launch.comparison_plots import figure, row_style, save
+from comparison.plots import figure, row_style, save
+from comparison.stats import accuracy_difference, method_stats, points
 
 Level = dict[str, Any]
 
 
 def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
     """scenario -> row -> ``{"none": stats without DP, "levels": {z: stats under DP}}``, each
-    as ``launch.comparison.method_stats`` gives it; a level also holds the most epsilon any of
+    as ``comparison.stats.method_stats`` gives it; a level also holds the most epsilon any of
     its runs spent (every run's guarantee), its delta, and its seeds that diverged (their
     losses stopped being finite: no accuracy)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -46,7 +46,7 @@ def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
 def differences(rows: dict[str, dict[str, Any]], label: str, z: float
                 ) -> dict[str, dict[str, Any] | None]:
     """A row at noise multiplier ``z`` against each reference at ``z`` and against itself
-    without DP: paired over seeds (``launch.comparison.accuracy_difference``)."""
+    without DP: paired over seeds (``comparison.stats.accuracy_difference``)."""
     level = rows[label]["levels"][z]
     if "per_seed" not in level:
         return {}

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from bench.data import ensure_dataset
+from comparison.stats import config_tag, mean_interval
 from fldata.sources import idx_pool
-from launch.comparison import config_tag, mean_interval
 
 POOL_SIZE = 5000       # images drawn from the 60,000: 250 a client, 125 to train and 125 to test
 REPORT_POOL_SEED, TUNING_POOL_SEED = 0, 1   # the tuning pool is drawn from the other 55,000

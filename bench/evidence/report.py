@@ -14,13 +14,13 @@ from bench.evidence.privacy import privacy_plots, privacy_stats, privacy_summary
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import ablation_stats, row_stats
 from bench.report import produced_by
-from launch.comparison import (
+from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
+from comparison.stats import (
     accuracy_difference,
     config_tag,
     last_rounds_mean,
     points,
 )
-from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 
 # Where a method here differs from its paper in a way that could move one of its verdicts;
 # each page's "Deviations" section has the whole list.
@@ -222,7 +222,7 @@ def write_report(matrix: Matrix, command: str) -> str:
         f"{', '.join(map(str, protocol.REPORT_SEEDS))} of the report pool (and "
         f"{', '.join(map(str, protocol.EXTRA_SEEDS))} for a claim still undecided on those: "
         "`bench/evidence/claims.py`). The statistics are the compare command's "
-        "(`launch/comparison.py`): personalized accuracy weighted by test examples, the mean "
+        "(`comparison/stats.py`): personalized accuracy weighted by test examples, the mean "
         "of a run's last 5 rounds, then mean ± std over seeds (never the best round); task "
         "acc: the mean over clients of each client's mean per-class accuracy (our analogue "
         "of pFedC's mean accuracy over tasks, a task a class); min client: the same last-5 "

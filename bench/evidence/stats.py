@@ -1,5 +1,5 @@
 """Statistics over the report seeds: a row's and an ablation's, from their cells, by the
-implementation the compare command uses (``launch/comparison.py``)."""
+implementation the compare command uses (``comparison/stats.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.protocol import Entry
-from launch.comparison import config_tag, last_rounds_mean, mean_std, method_stats
+from comparison.stats import config_tag, last_rounds_mean, mean_std, method_stats
 
 
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:

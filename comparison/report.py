@@ -1,5 +1,5 @@
 """What ``scripts/compare.sh`` writes (``launch/compare.py``): ``report.md``, ``summary.json``
-and two plots, from the summary of ``launch/comparison.py``'s statistics."""
+and two plots, from the summary of ``comparison/stats.py``'s statistics."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from launch.comparison import LAST_ROUNDS, RISING, SLOPE_ROUNDS, config_tag, points
-from launch.comparison_plots import draw_accuracy_vs_uplink, draw_curves, figure, save
+from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
+from comparison.stats import LAST_ROUNDS, RISING, SLOPE_ROUNDS, config_tag, points
 
 FEW_SEEDS = 3  # below this, a 95% interval over seeds is too wide to tell anything apart
 

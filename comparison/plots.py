@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from launch.comparison import LAST_ROUNDS
+from comparison.stats import LAST_ROUNDS
 
 # a row's curves: the rounds every seed evaluated, and one curve over them per seed
 Curves = tuple[Sequence[int], Sequence[Sequence[float]]]

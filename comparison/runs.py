@@ -1,0 +1,137 @@
+"""Reuse a stored run or run it, then summarise: the one orchestrator of the compare command
+(``launch/compare.py``), the evidence matrix (``bench/evidence/cells.py``) and
+``bench/run_methods.py``.
+
+A run is stored as a record, one JSON file: what the caller says about it (its row, stage,
+seed...), its run config, what its numbers depend on, how long it took, and its summary
+(``stats.summarize_run``), or, where the caller counts a diverged run as a result, why it
+diverged. A stored record is reused only when it is *current* (``RunStore.is_current``, the
+one staleness rule):
+
+- its resolved config (the app's defaults under its run config, less the keys of other
+  methods: ``fedfac.layers`` does not change a FedAvg run's numbers), filled with today's
+  defaults for the keys added since (a new option whose default keeps the old behaviour is
+  no change), equals today's, up to the keys that change no number
+  (``stats.comparable_config``);
+- and its context (what no run-config key records, such as the number of clients, which
+  sets the data split) equals today's.
+
+A run that failed is not stored (the next invocation tries it again), except a diverged one
+where the caller says divergence is a result (a searched configuration that cannot be
+chosen; a run under DP noise).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from comparison.stats import comparable_config, summarize_run
+
+
+class RunOutcome(Protocol):
+    """How a run ended, as the runner reports it (``launch.federation.FlowerRun``)."""
+
+    output: str
+    status: str
+    reason: str
+
+    @property
+    def ok(self) -> bool: ...
+
+
+# (run_config with its ``output-dir``, context) -> how the run ended
+Runner = Callable[[dict[str, Any], dict[str, Any]], RunOutcome]
+
+
+class RunStore:
+    """Stored runs, reused while current, others run on ``runner`` (none: read only).
+
+    ``defaults``: the app's run-config defaults today; ``methods``: every method's name (whose
+    keys are ``<method>.<key>``); ``stamp``: what to record about the code and machine of a
+    run as it starts (a commit, say); ``prefix``: of the lines it prints."""
+
+    def __init__(self, defaults: Mapping[str, Any], methods: Collection[str],
+                 runner: Runner | None = None, stamp: Callable[[], dict[str, Any]] | None = None,
+                 prefix: str = "") -> None:
+        self.defaults = dict(defaults)
+        self.methods = frozenset(methods)
+        self.runner = runner
+        self.stamp = stamp
+        self.prefix = prefix
+        self.failed: list[str] = []  # "<name>: <why>" of each run that failed here
+
+    def resolved(self, run_config: Mapping[str, Any]) -> dict[str, Any]:
+        """The config a run resolves to: the app's defaults under ``run_config``, less the
+        keys of methods other than its own."""
+        method = {**self.defaults, **run_config}.get("method")
+        return {k: v for k, v in {**self.defaults, **run_config}.items()
+                if (group := k.split(".", 1)[0]) in (k, method) or group not in self.methods}
+
+    def is_current(self, stored: Mapping[str, Any], run_config: Mapping[str, Any],
+                   context: Mapping[str, Any]) -> bool:
+        """Whether a stored record holds the numbers ``run_config`` would give today."""
+        return ("resolved_config" in stored
+                and all(stored.get(k) == v for k, v in context.items())
+                and comparable_config(self.resolved(stored["resolved_config"]))
+                == comparable_config(self.resolved(run_config)))
+
+    def get(self, record: Path, run_config: dict[str, Any], *, name: str,
+            about: Mapping[str, Any] | None = None, context: Mapping[str, Any] | None = None,
+            may_run: bool = True, diverged_is_result: bool = False) -> dict[str, Any] | None:
+        """The record at ``record`` if it is current; else the run of ``run_config`` (into
+        its ``output-dir``) when ``may_run`` and there is a runner, stored there with
+        ``about`` and ``context``; None when neither (a failure is printed, and listed in
+        ``failed``). ``name``: the run in printed lines."""
+        context = dict(context or {})
+        if record.exists():
+            stored = json.loads(record.read_text())
+            if self.is_current(stored, run_config, context):
+                return stored
+            print(f"{self.prefix}{record}: ran under another config or context (a default, "
+                  "a setting or the number of clients changed since); not used",
+                  file=sys.stderr)
+        if self.runner is None or not may_run:
+            return None
+        out = Path(run_config["output-dir"])
+        stamp = self.stamp() if self.stamp else {}  # the code the run starts with
+        started = time.monotonic()
+        run = self.runner(run_config, context)
+        wall = time.monotonic() - started
+        entry = {**(about or {}), "run_config": run_config,
+                 "resolved_config": self.resolved(run_config), **context, **stamp,
+                 "wall_seconds": wall}
+        if not run.ok:
+            reason = divergence(out)
+            if not diverged_is_result or reason is None:
+                why = run.reason or run.status or "did not start"
+                self.failed.append(f"{name}: {why}")
+                print(run.output[-3000:], file=sys.stderr)
+                print(f"{self.prefix}{name}: run failed ({why}); not stored, the next "
+                      "invocation tries it again", file=sys.stderr, flush=True)
+                return None
+            entry.update(status="diverged", reason=reason)
+        else:
+            entry.update(summarize_run(json.loads((out / "results.json").read_text())))
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(entry, indent=1))
+        figures = (f"diverged ({entry['reason']})" if "reason" in entry else
+                   f"acc {entry['accuracy_weighted']:.4f} min {entry['accuracy_min']:.4f}")
+        print(f"{self.prefix}{name}: {figures} {wall:.0f} s", flush=True)
+        return entry
+
+
+def divergence(out: Path) -> str | None:
+    """Why a failed run under ``out`` diverged (its clients' losses or arrays stopped being
+    finite, so that no reply was valid), or None where it failed otherwise (a crash, a
+    timeout)."""
+    path = out / "results.json"
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    reason = str(results.get("reason", ""))
+    return reason if results.get("status") == "failed" and "not finite" in reason else None

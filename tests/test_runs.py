@@ -1,0 +1,120 @@
+"""The one orchestrator of compare, the matrix and run_methods (``comparison/runs.py``): a
+stored run is reused only when its numbers are today's, a failed run is not stored, a
+diverged one only where the caller counts it as a result. The runner here writes the
+results.json a run would (the real runs: tests/test_matrix.py, tests/test_compare.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from comparison.runs import RunStore
+from launch.app_project import app_defaults
+from strategies.registry import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = {"status": "completed",
+           "rounds": [{"round": 1, "bytes_up": 0,
+                       "eval": {"accuracy_weighted": 0.5, "accuracy_min": 0.4}}],
+           "final": {"accuracy_weighted": 0.5, "accuracy_min": 0.4, "accuracy_mean": 0.5,
+                     "bytes_up_total": 0, "seconds_total": 1.0}}
+
+
+@dataclass
+class Ended:
+    ok: bool
+    status: str
+    reason: str = ""
+    output: str = ""
+
+
+class WritingRunner:
+    """Writes ``results`` into the run's output-dir and says how it ended; counts calls."""
+
+    def __init__(self, results: dict[str, Any], ok: bool = True) -> None:
+        self.results, self.ok, self.calls = results, ok, 0
+
+    def __call__(self, run_config: dict[str, Any], context: dict[str, Any]) -> Ended:
+        self.calls += 1
+        out = Path(run_config["output-dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(self.results))
+        return Ended(self.ok, "finished:completed" if self.ok else "finished:failed",
+                     self.results.get("reason", ""))
+
+
+def config(tmp_path: Path, method: str = "fedavg", **keys: Any) -> dict[str, Any]:
+    return {"method": method, "seed": 1, "output-dir": str(tmp_path / "run"), **keys}
+
+
+def test_a_run_is_stored_once_and_reused_while_its_numbers_are_todays(tmp_path):
+    runner = WritingRunner(RESULTS)
+    store = RunStore(app_defaults(ROOT), REGISTRY, runner, stamp=lambda: {"commit": "abc"})
+    record = tmp_path / "fedavg.json"
+    first = store.get(record, config(tmp_path), name="fedavg", about={"row": "fedavg"},
+                      context={"num_clients": 3})
+    assert runner.calls == 1 and first["accuracy_per_round"] == [0.5]
+    assert first["row"] == "fedavg" and first["commit"] == "abc" and first["num_clients"] == 3
+    assert json.loads(record.read_text()) == first
+    assert store.get(record, config(tmp_path), name="fedavg",
+                     context={"num_clients": 3}) == first
+    assert runner.calls == 1
+    # what changes no number: where it writes, whether it is tracked, the device
+    moved = config(tmp_path / "elsewhere", tracking="mlflow", device="cpu")
+    assert store.get(record, moved, name="fedavg", context={"num_clients": 3}) == first
+    assert runner.calls == 1
+
+
+@pytest.mark.parametrize(("change", "current"), [
+    ({"defaults": {"weight-decay": 0.1}}, False),   # a general default changed since
+    ({"defaults": {"some-new-option": 1}}, True),   # a key added since, at its default
+    ({"defaults": {"fedfac.layers": "0"}}, True),   # another method's default
+    ({"run": {"fedfac.layers": "0"}}, True),        # another method's key set in the run
+    ({"run": {"lr": 0.3}}, False),                  # a setting of the run
+    ({"context": {"num_clients": 4}}, False),       # another data split
+])
+def test_the_one_staleness_rule(tmp_path, change, current):
+    """Where the compare command's old rule and the matrix's differed (another method's
+    key), and what both already agreed on."""
+    defaults = app_defaults(ROOT)
+    store = RunStore(defaults, REGISTRY, WritingRunner(RESULTS))
+    record = tmp_path / "fedavg.json"
+    stored = store.get(record, config(tmp_path), name="fedavg", context={"num_clients": 3})
+    today = RunStore({**defaults, **change.get("defaults", {})}, REGISTRY)
+    again = today.get(record, config(tmp_path, **change.get("run", {})), name="fedavg",
+                      context={"num_clients": 3, **change.get("context", {})})
+    assert (again == stored) is current and (again is None) is not current
+
+
+def test_a_failed_run_is_not_stored_and_a_diverged_one_only_where_it_is_a_result(tmp_path,
+                                                                                  capsys):
+    diverged = {"status": "failed", "reason": "round 3: metric 'loss' is not finite"}
+    store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(diverged, ok=False))
+    record = tmp_path / "lr0.3.json"
+    assert store.get(record, config(tmp_path, lr=0.3), name="lr 0.3") is None
+    assert not record.exists()
+    assert store.failed == [f"lr 0.3: {diverged['reason']}"]
+    assert "lr 0.3: run failed" in capsys.readouterr().err
+    kept = store.get(record, config(tmp_path, lr=0.3), name="lr 0.3", diverged_is_result=True)
+    assert kept["status"] == "diverged" and kept["reason"] == diverged["reason"]
+    assert json.loads(record.read_text()) == kept
+    # a crash or a timeout is never a result
+    crashed = RunStore(app_defaults(ROOT), REGISTRY,
+                       WritingRunner({"status": "failed", "reason": "round 2: no reply"},
+                                     ok=False))
+    other = tmp_path / "crashed.json"
+    assert crashed.get(other, config(tmp_path), name="x", diverged_is_result=True) is None
+    assert not other.exists()
+
+
+def test_without_a_runner_or_leave_to_run_nothing_runs(tmp_path):
+    runner = WritingRunner(RESULTS)
+    assert RunStore(app_defaults(ROOT), REGISTRY).get(
+        tmp_path / "r.json", config(tmp_path), name="r") is None
+    assert RunStore(app_defaults(ROOT), REGISTRY, runner).get(
+        tmp_path / "r.json", config(tmp_path), name="r", may_run=False) is None
+    assert runner.calls == 0 and not (tmp_path / "r.json").exists()
