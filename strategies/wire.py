@@ -35,10 +35,7 @@ class WireSpec(Generic[MethodSettingsT]):
 
     def __init__(self, model: nn.Module, settings: RunSettings[MethodSettingsT]) -> None:
         self.settings = settings
-        # under DP, BatchNorm's running statistics stay on the client (docs/privacy.md):
-        # noise on a sum of variances can make one negative
-        self.shared_keys: list[str] = [k for k in self.select_shared(model)
-                                       if not (settings.dp_mode and is_running_stat(k))]
+        self.shared_keys: list[str] = travelling(self.select_shared(model), settings)
         self.shared_spec: ArraySpec = tensor_spec(model.state_dict(), self.shared_keys)
         self.always_personal: list[str] = self.select_always_personal(model)
         self.personal_keys: list[str] = self.select_personal(model)
@@ -114,6 +111,13 @@ class WireSpec(Generic[MethodSettingsT]):
         masks = self.uplink_masks(received)
         return {k: self.cut(k, state[k].detach().cpu(), masks)
                 for k in self.uplink_spec(info, masks)}
+
+
+def travelling(keys: list[str], settings: RunSettings) -> list[str]:
+    """Of ``keys`` a method would send, those that may leave a client in this run: under DP,
+    BatchNorm's running statistics stay on the client (docs/privacy.md): noise on a sum of
+    variances can make one negative."""
+    return [k for k in keys if not (settings.dp_mode and is_running_stat(k))]
 
 
 def is_running_stat(key: str) -> bool:

@@ -24,7 +24,7 @@ from common.config import ConfigError, KeyGroup, RunSettings, key
 from common.protocol import ArraySpec
 from fldata import dataset_shape
 from models.fedfac import analysed_layers, element_keys
-from strategies.wire import Masks, WireSpec, is_running_stat
+from strategies.wire import Masks, WireSpec, travelling
 
 MASK_PREFIX = "fedfac.mask."
 MEMBER_PREFIX = "member."  # new-client Ensemble: member.<i>.<key> = existing client i's tensor
@@ -59,8 +59,7 @@ class SharedRows(WireSpec[FedFacSettings]):
         self.layers = analysed_layers(model, settings.method_settings.layers,
                                       dataset_shape(settings)[0])
         self.layer_of_key = {k: layer for layer in self.layers
-                             for k in element_keys(model, layer)  # (DP: statistics stay)
-                             if not (settings.dp_mode and is_running_stat(k))}
+                             for k in travelling(element_keys(model, layer), settings)}
         self.static = settings.method_settings.mode == "static"
         super().__init__(model, settings)
 
