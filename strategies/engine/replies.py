@@ -63,8 +63,9 @@ def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, 
                   max_examples: int | None = None, read_arrays: bool = True
                   ) -> list[ClientReply]:
     """The replies of ``batch`` that pass every check, in client order (reply order is
-    arbitrary; a fixed order makes float sums, and runs, reproducible). Train replies' bytes
-    are counted whether or not they pass.
+    arbitrary; a fixed order makes float sums, and runs, reproducible), in three stages: who
+    replied (``note_presence``: bookkeeping only), each reply read (``read_or_error``: no
+    bookkeeping), then admitted or dropped (``admitted``).
 
     Every exchange goes through here (train, evaluate, identify, a method's queries):
     ``metric_keys`` None for a query (no metrics needed), ``expected_arrays`` the arrays the
@@ -72,22 +73,46 @@ def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, 
     the evaluation a train reply carries). Any exception while reading one reply drops
     that reply, with its reason, and the rest go on; a reply whose client id its node may not
     speak for (``NodeDirectory.claim``) is dropped likewise."""
+    note_presence(ledger, nodes, server_round, stage, batch, timeout)
+    read = [(node_id, reply, read_or_error(node_id, reply, metric_keys, expected_arrays,
+                                           max_examples, read_arrays))
+            for node_id, reply in batch.replies]
+    return admitted(ledger, nodes, server_round, stage, read)
+
+
+def note_presence(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
+                  batch: Exchange, timeout: float) -> None:
+    """The bookkeeping of who replied, before any reply is read: each node that did not
+    reply dropped with its reason and counted missing, the others counted present, and a
+    train reply's bytes counted whether or not it will pass."""
     missing = batch.missing()
     nodes.missed(missing)
     for node_id in missing:
         ledger.drop(server_round, stage, node_id, nodes.client_of(node_id) or "?",
                     f"no reply within round-timeout ({timeout:.0f} s)")
     nodes.answered(node for node, _ in batch.replies)
-    read: list[tuple[int, Message, ClientReply | Exception]] = []
-    for node_id, reply in batch.replies:
-        if stage == "train":
+    if stage == "train":
+        for _, reply in batch.replies:
             ledger.uplink(server_round, reply)
-        try:
-            read.append((node_id, reply, read_reply(node_id, reply, metric_keys,
-                                                    expected_arrays, max_examples,
-                                                    read_arrays)))
-        except Exception as error:  # whatever one reply holds, the round goes on
-            read.append((node_id, reply, error))
+
+
+def read_or_error(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
+                  expected_arrays: Callable[[ClientReply], ArraySpec] | None,
+                  max_examples: int | None, read_arrays: bool) -> ClientReply | Exception:
+    """``read_reply``, or the exception that reading raised: whatever one reply holds, the
+    round goes on."""
+    try:
+        return read_reply(node_id, reply, metric_keys, expected_arrays, max_examples,
+                          read_arrays)
+    except Exception as error:
+        return error
+
+
+def admitted(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
+             read: list[tuple[int, Message, ClientReply | Exception]]) -> list[ClientReply]:
+    """The replies that were read and whose node may speak for their client id
+    (``NodeDirectory.claim``; an id several nodes claim at once is nobody's), in client
+    order; every other one dropped with its reason."""
     contested = nodes.contested([(n, r.client_id) for n, _, r in read
                                  if isinstance(r, ClientReply)])
     valid = []
