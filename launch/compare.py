@@ -216,8 +216,7 @@ def seed_list(text: str) -> list[int]:
     return seeds
 
 
-def main(argv: Sequence[str] | None = None, federation: LocalFederation | None = None) -> int:
-    """The command; ``federation``: run on this one instead of starting a warm one."""
+def command_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scripts/compare.sh",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--methods", required=True,
@@ -246,44 +245,58 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
     parser.add_argument("--app", type=Path, default=APP_ROOT)
     parser.add_argument("overrides", nargs="*",
                         help="run-config overrides for every run, key=value (dataset=...)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def checked_comparison(args: argparse.Namespace, federation: LocalFederation | None
+                       ) -> tuple[Comparison, list[Row], str, Path]:
+    """The command's arguments checked, every configuration included, before anything
+    runs: (the comparison, its rows, the reference row, the output folder). Raises a
+    one-line ``ConfigError`` (or ``ValueError``, ``OSError``)."""
+    defaults = app_defaults(args.app.resolve())
+    lr_grid = [float(v) for v in args.lr_grid.split(",") if v.strip()]
+    rows = [parse_row(e, defaults, lr_grid) for e in args.methods.split(",") if e]
+    if not rows:
+        raise ConfigError("--methods: name at least one method, e.g. fedavg,fedper")
+    labels = [r.label for r in rows]
+    if any("/" in label for label in labels):
+        raise ConfigError("--methods: a row label holds no '/' (it names a folder)")
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"--methods: a row label appears twice ({', '.join(labels)}); "
+                          "tell them apart with @TAG, e.g. fedavg@lr0.1:lr=0.1")
+    reference = args.reference or labels[0]
+    if reference not in labels:
+        raise ConfigError(f"--reference: {reference!r} is not a row ({', '.join(labels)})")
+    if args.tuning_seed in args.seeds and any(len(r.grid) > 1 for r in rows):
+        raise ConfigError(f"--tuning-seed {args.tuning_seed} is a report seed: tuning "
+                          "and reporting on the same seed favours the grids")
+    base = parse_overrides(args.overrides, defaults)
+    for fixed in ("method", "seed", "output-dir", "resume-from"):
+        if fixed in base:
+            raise ConfigError(f"{fixed}: set by the command (--methods, --seeds, --out)")
+    if args.supernodes < 1:
+        raise ConfigError("--supernodes: at least 1")
+    if not 0 < args.validation_fraction <= 0.9:
+        raise ConfigError(f"--validation-fraction: {args.validation_fraction} is out of "
+                          "range; allowed: (0, 0.9]")
+    out = (args.out or Path("outputs")
+           / f"compare-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
+    federation_config = LocalFederation.federation_config(
+        args.supernodes, args.cpus_per_client, args.gpus_per_client)
+    check_same_clients(out, args.supernodes)
+    comparison = Comparison(federation, args.app.resolve(), base, out, federation_config,
+                            args.run_timeout, args.validation_fraction)
+    comparison.check(rows, args.seeds)
+    return comparison, rows, reference, out
+
+
+def main(argv: Sequence[str] | None = None, federation: LocalFederation | None = None) -> int:
+    """The command; ``federation``: run on this one instead of starting a warm one."""
+    args = command_parser().parse_args(argv)
     command = "bash scripts/compare.sh " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
-        defaults = app_defaults(args.app.resolve())
-        lr_grid = [float(v) for v in args.lr_grid.split(",") if v.strip()]
-        rows = [parse_row(e, defaults, lr_grid) for e in args.methods.split(",") if e]
-        if not rows:
-            raise ConfigError("--methods: name at least one method, e.g. fedavg,fedper")
-        labels = [r.label for r in rows]
-        if any("/" in label for label in labels):
-            raise ConfigError("--methods: a row label holds no '/' (it names a folder)")
-        if len(set(labels)) != len(labels):
-            raise ConfigError(f"--methods: a row label appears twice ({', '.join(labels)}); "
-                              "tell them apart with @TAG, e.g. fedavg@lr0.1:lr=0.1")
-        reference = args.reference or labels[0]
-        if reference not in labels:
-            raise ConfigError(f"--reference: {reference!r} is not a row ({', '.join(labels)})")
-        if args.tuning_seed in args.seeds and any(len(r.grid) > 1 for r in rows):
-            raise ConfigError(f"--tuning-seed {args.tuning_seed} is a report seed: tuning "
-                              "and reporting on the same seed favours the grids")
-        base = parse_overrides(args.overrides, defaults)
-        for fixed in ("method", "seed", "output-dir", "resume-from"):
-            if fixed in base:
-                raise ConfigError(f"{fixed}: set by the command (--methods, --seeds, --out)")
-        if args.supernodes < 1:
-            raise ConfigError("--supernodes: at least 1")
-        if not 0 < args.validation_fraction <= 0.9:
-            raise ConfigError(f"--validation-fraction: {args.validation_fraction} is out of "
-                              "range; allowed: (0, 0.9]")
-        out = (args.out or Path("outputs")
-               / f"compare-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
-        federation_config = LocalFederation.federation_config(
-            args.supernodes, args.cpus_per_client, args.gpus_per_client)
-        check_same_clients(out, args.supernodes)
-        comparison = Comparison(federation, args.app.resolve(), base, out, federation_config,
-                                args.run_timeout, args.validation_fraction)
-        comparison.check(rows, args.seeds)
+        comparison, rows, reference, out = checked_comparison(args, federation)
     except (ConfigError, ValueError, OSError) as error:
         print(f"compare: {error}", file=sys.stderr)
         return 2

@@ -1,13 +1,18 @@
 """Requests to a SuperLink's Control API, as the ``flwr`` CLI sends them: start a run from an
 app folder, list runs, read one run's record, ask whether it has finished (``LocalFederation``
-uses them in-process instead of starting a ``flwr`` process per run)."""
+uses them in-process instead of starting a ``flwr`` process per run), and read a run's log
+as it streams (``LogStream``)."""
 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from launch.run_output import RESULTS_WRITTEN, is_noise
 
 
 def list_runs(control: Any, run_id: str | None) -> list[dict[str, str]]:
@@ -75,3 +80,46 @@ def finished(control: Any, run_id: str) -> bool:
     (busy, a dropped connection) is asked again at the next poll."""
     run, _ = run_record(control, run_id, attempts=1)
     return run is not None and run["status"].startswith("finished")
+
+
+class LogStream:
+    """A run's log, read through ``StreamLogs`` in a background thread (``start``) until the
+    SuperLink ends the stream at the run's end; ``echo`` prints its lines (less Flower's
+    noise), ``on_results`` is called on the line that says results.json is written."""
+
+    def __init__(self, control_client: Callable[[], Any], run_id: str, echo: bool,
+                 on_results: Callable[[], None]) -> None:
+        self.control_client = control_client
+        self.run_id = run_id
+        self.echo = echo
+        self.on_results = on_results
+        self.lines: list[str] = []
+        self.ended = threading.Event()  # the SuperLink ended the stream (not a broken one)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def reading(self) -> bool:
+        return self.thread.is_alive()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def _read(self) -> None:
+        import httpx
+        from flwr.proto.control_pb2 import StreamLogsRequest
+
+        try:
+            with self.control_client() as control:
+                for response in control.StreamLogs(
+                        StreamLogsRequest(run_id=int(self.run_id), after_timestamp=0.0)):
+                    for line in response.log_output.splitlines(keepends=True):
+                        self.lines.append(line)
+                        if self.echo and not is_noise(line):
+                            print(line, end="", flush=True)
+                        if RESULTS_WRITTEN in line:
+                            self.on_results()
+            self.ended.set()
+        except (OSError, httpx.HTTPError):  # the status poll still sees the run's end
+            pass

@@ -39,11 +39,11 @@ from typing import Any
 
 from common.config import ConfigError
 from launch.app_project import app_defaults, bundle_files
-from launch.control_api import finished, list_runs, run_record, start_run
+from launch.control_api import LogStream, finished, list_runs, run_record, start_run
 from launch.processes import free_port, stop_process_groups
 from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
-from launch.run_output import RAY_GPU_TIP, RESULTS_WRITTEN, is_noise, save_run_log
+from launch.run_output import RAY_GPU_TIP, save_run_log
 from launch.warm_start import ForkServer
 
 SUPEREXEC_POLL_SECONDS = 0.1
@@ -196,7 +196,6 @@ class LocalFederation:
         A run that ends in failure still ends its stream normally, so the run's final
         status, and why it failed, are read back from the SuperLink (``runs``)."""
         import httpx
-        from flwr.proto.control_pb2 import StreamLogsRequest
 
         staged = bundle_files(app_dir, self.home / f"app-{time.monotonic_ns()}")
         try:
@@ -207,38 +206,25 @@ class LocalFederation:
         finally:
             if staged != Path(app_dir):
                 shutil.rmtree(staged, ignore_errors=True)
-        lines: list[str] = []
         primed = threading.Lock()  # held once the next run's workers have been asked for
-        stream_ended = threading.Event()
+        stream = LogStream(self.control_client, run_id, echo, lambda: self._prime(primed))
+        stream.start()
+        run, unread = self._wait_for_end(stream, run_id, time.monotonic() + timeout)
+        return self._ending(run, unread, run_id, stream.output(), primed, timeout)
 
-        def read() -> None:
-            try:
-                with self.control_client() as control:
-                    for response in control.StreamLogs(
-                            StreamLogsRequest(run_id=int(run_id), after_timestamp=0.0)):
-                        for line in response.log_output.splitlines(keepends=True):
-                            lines.append(line)
-                            if echo and not is_noise(line):
-                                print(line, end="", flush=True)
-                            if RESULTS_WRITTEN in line:
-                                self._prime(primed)
-                stream_ended.set()
-            except (OSError, httpx.HTTPError):  # the status poll below still sees the end
-                pass
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        deadline = time.monotonic() + timeout
+    def _wait_for_end(self, stream: LogStream, run_id: str, deadline: float
+                      ) -> tuple[dict[str, str] | None, str]:
+        """Until the run ends (the stream ends, or the SuperLink records the end), the
+        deadline passes or the SuperLink exits; the run's record then (None, and why)."""
         with self.control_client() as control:
-            while (reader.is_alive() and time.monotonic() < deadline
-                   and self._superlink_alive()):
-                reader.join(STATUS_POLL_SECONDS)
+            while stream.reading() and time.monotonic() < deadline and self._superlink_alive():
+                stream.thread.join(STATUS_POLL_SECONDS)
                 # a stream that broke off (a dropped connection) does not end the wait: the
                 # SuperLink's record of the run's end does
-                if reader.is_alive() and finished(control, run_id):
-                    reader.join(STREAM_GRACE_SECONDS)  # the last lines on their way
+                if stream.reading() and finished(control, run_id):
+                    stream.thread.join(STREAM_GRACE_SECONDS)  # the last lines on their way
                     break
-            while (not reader.is_alive() and not stream_ended.is_set()
+            while (not stream.reading() and not stream.ended.is_set()
                    and time.monotonic() < deadline and self._superlink_alive()
                    and not finished(control, run_id)):
                 time.sleep(STATUS_POLL_SECONDS)
@@ -247,7 +233,14 @@ class LocalFederation:
             if run is None and self.process is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(5)  # a SuperLink stopping refuses connections first
-        output = "".join(lines)
+        return run, unread
+
+    def _ending(self, run: dict[str, str] | None, unread: str, run_id: str, output: str,
+                primed: threading.Lock, timeout: float) -> FlowerRun:
+        """How the run ended, from its record: unknown (the SuperLink gone or mute),
+        past its timeout (then stopped), or finished with Flower's status and reason."""
+        import httpx
+
         if run is None:
             why = (f"the SuperLink exited during the run (see {self.home}/superlink.log)"
                    if not self._superlink_alive()
