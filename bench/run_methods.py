@@ -145,7 +145,7 @@ def run_methods(entries: list[str], overrides: dict[str, Any], supernodes: int
                       "plot": False}
             if store.get(out.with_suffix(".json"), config, name=label,
                          context={"num_clients": supernodes}) is None:
-                raise SystemExit(f"{label}: run failed ({store.failed[-1]})")
+                raise SystemExit(f"run failed: {store.failed[-1]}")
             row = summarize(label, json.loads((out / "results.json").read_text()))
             rows.append(row)
             print(f"{label}: {row['seconds_per_round']:.2f} s/round", flush=True)

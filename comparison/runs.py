@@ -99,6 +99,7 @@ class RunStore:
             return None
         out = Path(run_config["output-dir"])
         stamp = self.stamp() if self.stamp else {}  # the code the run starts with
+        print(f"{self.prefix}{name}: running", flush=True)
         started = time.monotonic()
         run = self.runner(run_config, context)
         wall = time.monotonic() - started

@@ -1,9 +1,8 @@
 """The statistics of a comparison of methods over seeds, one implementation for the compare
 command (``launch/compare.py``) and the evidence matrix (``bench/evidence``).
 
-- A stored run is reused only when what its numbers depend on (``comparable_config``) is
-  today's: its config, filled with today's defaults for the keys added since, equals the
-  config it would run under now.
+- What a run's numbers depend on is its config less the keys that change no number
+  (``comparable_config``); ``comparison/runs.py`` reuses a stored run by it.
 - A run is summarized from its results.json (``summarize_run``): its accuracy curve
   (personalized accuracy weighted by test examples, per evaluated round), the lowest
   client's curve, the mean task accuracy's curve (pFedC's figure, where recorded), uplink

@@ -64,8 +64,8 @@ def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".") ->
                               "[tool.flwr.app.config] in pyproject.toml)")
     run_config = {**defaults, **overrides}
     general = RunSettings.from_run_config(run_config)  # files first: the model reads them
-    check_dataset(general)  # load_settings checks it too; here it needs no PyTorch
     check_local_files(general)
+    check_dataset(general)  # load_settings checks it too; here it needs no PyTorch
     if general.resume_from and not (Path(general.resume_from) / CHECKPOINT).exists():
         raise ConfigError(f"resume-from: no {CHECKPOINT} in {general.resume_from}")
     check_installed(general.trackers())  # in a simulation the ServerApp runs here

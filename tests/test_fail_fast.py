@@ -42,6 +42,9 @@ CONFIG_MISTAKES = [
     (["num-server-round=3"], "num-server-round: unknown key; did you mean 'num-server-rounds'?"),
     (["dataset=fashion-mnist", "data-root=/some/missing/dir"],
      "data-root: no such directory: /some/missing/dir"),
+    # a missing file is said before its shape is read (a feature shift reads it)
+    (["dataset=/some/missing/pool.npz", "feature-shift=rotate"],
+     "dataset: no such file or directory: /some/missing/pool.npz"),
     (["partitioner=pathological", "classes-per-client=20"],
      "classes-per-client: 20 is out of range; allowed: [1, 10]"),
     (["method=fed per"], "method: cannot read the value 'fed per'"),
