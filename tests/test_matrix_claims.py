@@ -152,3 +152,35 @@ def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
     assert table([0.70], [5]).splitlines()[-1].endswith("| +11.0 |")
 
 
+
+
+def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_holds_0():
+    from bench.evidence.pick import pick_table, picks
+
+    def row(label: str, per_seed: list[float], slope: float = 0.0, mb_up: float = 10.0
+            ) -> dict:
+        return {"label": label, "tuned": True, "cells": [{"rounds": [40]}],
+                "per_seed": {seed: {"accuracy": a, "slope": slope}
+                             for seed, a in enumerate(per_seed, 1)},
+                "accuracy": (statistics.fmean(per_seed), statistics.stdev(per_seed)),
+                "slope": (slope, 0.0), "mb_up": (mb_up, 0.0)}
+
+    best = [0.80, 0.82, 0.78, 0.81, 0.79]
+    stats = {"dirichlet-0.1": {
+        "fedper": row("fedper", best, mb_up=40.0),
+        # below the best on average, but one seed above it: the interval holds 0
+        "fedrep": row("fedrep", [0.795, 0.825, 0.77, 0.80, 0.788], mb_up=38.0),
+        # below on every seed by about a point: excluded
+        "fedavg": row("fedavg", [0.79, 0.81, 0.771, 0.80, 0.78], mb_up=50.0),
+        # as good, but still rising: tied and provisional
+        "fedbn": row("fedbn", [0.80, 0.82, 0.78, 0.80, 0.80], slope=0.01)}}
+    [(scenario, pick)] = picks(stats).items()
+    assert pick["best"] == "fedper"
+    assert set(pick["tied"]) == {"fedrep", "fedbn"}
+    assert pick["tied"]["fedrep"]["ci95"][0] < 0 <= pick["tied"]["fedrep"]["ci95"][1]
+    assert pick["provisional"] == ["fedbn"]
+    assert "local" in pick["missing"] and "fedavg" not in pick["missing"]
+    line = pick_table({scenario: pick}, stats).splitlines()[-1]
+    assert line.startswith("| dirichlet-0.1 | **fedper**: 80.0 ± 1.6, 40 MB | ")
+    assert "fedrep -0.4 [" in line and "38 MB" in line and not re.search(r"fedavg [+-]", line)
+    assert "still provisional (search or convergence): fedbn" in line

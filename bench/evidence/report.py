@@ -10,9 +10,10 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import claim_line, claims
+from bench.evidence.pick import pick_table, picks
 from bench.evidence.privacy import privacy_plots, privacy_stats, privacy_summary, privacy_tables
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
-from bench.evidence.stats import ablation_stats, row_stats
+from bench.evidence.stats import ablation_stats, flag, row_stats, slope_ci95
 from bench.report import produced_by
 from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 from comparison.stats import (
@@ -45,26 +46,6 @@ DEVIATIONS = [
 def deviations() -> str:
     return "\n".join(f"- {name}: {text} ([details](../../docs/methods/{page}.md))"
                       for name, page, text in DEVIATIONS)
-
-
-def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
-    """The 95% interval of the row's mean slope over its report seeds (None for one)."""
-    return protocol.slope_interval([f["slope"] for s, f in row["per_seed"].items()
-                                    if s in protocol.REPORT_SEEDS])
-
-
-def flag(row: dict[str, Any]) -> str:
-    """Why a row's figure may not be its final level ("" when it has converged)."""
-    interval = slope_ci95(row)
-    if interval is None:
-        return "one seed: convergence cannot be judged"
-    if interval[1] > protocol.CONVERGED_SLOPE:
-        return (f"not converged at round {row['cells'][0]['rounds'][-1]}: slope over the "
-                f"last 10 rounds {100 * row['slope'][0]:+.2f} points a round, 95% interval "
-                f"[{100 * interval[0]:+.2f}, {100 * interval[1]:+.2f}] (converged: at most "
-                f"{100 * protocol.CONVERGED_SLOPE:+.2f}; the rounds were doubled at most "
-                f"{protocol.MAX_DOUBLINGS} times)")
-    return ""
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -235,8 +216,14 @@ def write_report(matrix: Matrix, command: str) -> str:
         "against its reference: held when its 95% interval lies at or above the margin; "
         "beside it, whether the interval lies above 0 (better at all) and the paper's own "
         "difference. Machine-readable: [`matrix/summary.json`](matrix/summary.json).\n\n",
-        "## Paper claims\n\n", "\n".join(map(claim_line, judged_claims)), "\n\n",
     ]
+    picked = picks(stats)
+    if picked:
+        parts += ["## What to pick\n\nPer scenario, the row with the best accuracy and the "
+                  "rows statistically tied with it: the 95% interval of their paired difference "
+                  "against it (over the seeds both ran) does not exclude 0.\n\n",
+                  pick_table(picked, stats), "\n"]
+    parts += ["## Paper claims\n\n", "\n".join(map(claim_line, judged_claims)), "\n\n"]
     parts += ["## Deviations from the papers that could move a verdict\n\n", deviations(),
               "\n\n"]
     flagged = [f"- {s}/{label}: {flag(r)}" for s, rows in stats.items()
@@ -277,6 +264,9 @@ def write_report(matrix: Matrix, command: str) -> str:
         parts.append("![accuracy against uplink](matrix/accuracy-vs-uplink.png)\n")
     (out / "matrix" / "summary.json").write_text(json.dumps(
         {**summary(matrix, stats, judged_claims),
+         "what_to_pick": {s: {"best": p["best"], "tied": list(p["tied"]),
+                              "missing": p["missing"], "provisional": p["provisional"]}
+                          for s, p in picked.items()},
          **({"privacy": privacy_summary(private)} if private else {})}, indent=1) + "\n")
     text = "".join(parts)
     (out / "report.md").write_text(text)

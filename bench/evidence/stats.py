@@ -50,3 +50,23 @@ def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
             "per_seed": figures["per_seed"], "accuracy": figures["accuracy"],
             "accuracy_min": figures["accuracy_min"]}
     return out
+
+
+def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
+    """The 95% interval of the row's mean slope over its report seeds (None for one)."""
+    return protocol.slope_interval([f["slope"] for s, f in row["per_seed"].items()
+                                    if s in protocol.REPORT_SEEDS])
+
+
+def flag(row: dict[str, Any]) -> str:
+    """Why a row's figure may not be its final level ("" when it has converged)."""
+    interval = slope_ci95(row)
+    if interval is None:
+        return "one seed: convergence cannot be judged"
+    if interval[1] > protocol.CONVERGED_SLOPE:
+        return (f"not converged at round {row['cells'][0]['rounds'][-1]}: slope over the "
+                f"last 10 rounds {100 * row['slope'][0]:+.2f} points a round, 95% interval "
+                f"[{100 * interval[0]:+.2f}, {100 * interval[1]:+.2f}] (converged: at most "
+                f"{100 * protocol.CONVERGED_SLOPE:+.2f}; the rounds were doubled at most "
+                f"{protocol.MAX_DOUBLINGS} times)")
+    return ""
