@@ -35,7 +35,7 @@ import numpy as np
 from bench.report import RESULTS, write_report
 from common.durable import load_tree, save_tree
 from launch.federation import LocalFederation
-from server_app.rounds import CHECKPOINT
+from server_app.results import CHECKPOINT
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -103,6 +103,10 @@ class LogStream:
     def reading(self) -> bool:
         return self.thread.is_alive()
 
+    def wait(self, seconds: float) -> None:
+        """Until the reader stops or ``seconds`` pass."""
+        self.thread.join(seconds)
+
     def output(self) -> str:
         return "".join(self.lines)
 

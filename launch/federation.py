@@ -218,11 +218,11 @@ class LocalFederation:
         deadline passes or the SuperLink exits; the run's record then (None, and why)."""
         with self.control_client() as control:
             while stream.reading() and time.monotonic() < deadline and self._superlink_alive():
-                stream.thread.join(STATUS_POLL_SECONDS)
+                stream.wait(STATUS_POLL_SECONDS)
                 # a stream that broke off (a dropped connection) does not end the wait: the
                 # SuperLink's record of the run's end does
                 if stream.reading() and finished(control, run_id):
-                    stream.thread.join(STREAM_GRACE_SECONDS)  # the last lines on their way
+                    stream.wait(STREAM_GRACE_SECONDS)  # the last lines on their way
                     break
             while (not stream.reading() and not stream.ended.is_set()
                    and time.monotonic() < deadline and self._superlink_alive()

@@ -171,6 +171,7 @@ class Matrix:
                                     may_run=False)) is not None]
         return private, clean
 
+
 def chosen(searched: list[tuple[dict[str, Any], dict[str, Any] | None]]
            ) -> tuple[dict[str, Any], bool]:
     """A search's choice and whether the search is complete (``({}, False)`` while not)."""

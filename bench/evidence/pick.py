@@ -14,8 +14,8 @@ from comparison.stats import accuracy_difference, points
 
 def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """scenario -> the best row's label, the tied rows' paired differences against it (label
-    -> ``paired_difference``), the rows it was picked from and the scenario's rows not in yet,
-    and the picked rows that had not converged or finished their search."""
+    -> ``paired_difference``), the scenario's rows not in yet, and the picked rows that had
+    not converged or finished their search."""
     out = {}
     for scenario, rows in stats.items():
         ranked = sorted(rows.values(), key=lambda r: r["accuracy"][0], reverse=True)

@@ -252,6 +252,7 @@ PRIVACY = [Ablation(scenario, label, privacy_change(z), f"local DP, noise multip
            for scenario in PRIVACY_SCENARIOS for label in PRIVACY_LABELS
            for z in NOISE_MULTIPLIERS]
 
+
 def expand(config: dict[str, Any]) -> dict[str, Any]:
     """Run-config overrides of a tuning configuration (``feddecomp.rank`` sets both ranks)."""
     out = {k: v for k, v in config.items() if k != "feddecomp.rank"}
