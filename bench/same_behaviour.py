@@ -101,7 +101,8 @@ def first_difference(before: Any, after: Any, path: str = "",
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="a checkout of the code before")
-    parser.add_argument("--only", default="", help="comma-separated case labels")
+    parser.add_argument("--only", action="append", default=[],
+                        help="a case's label (repeat for several; labels hold commas)")
     parser.add_argument("--new-fields", default="", help="comma-separated names of fields "
                         "the change adds to results.json (listed, not a difference)")
     args = parser.parse_args()
@@ -110,7 +111,10 @@ def main() -> None:
                                    cwd=before_app, capture_output=True, text=True
                                    ).stdout.strip() or "not a git checkout"
     new_fields = frozenset(filter(None, args.new_fields.split(",")))
-    cases = [c for c in CASES if not args.only or c[0] in args.only.split(",")]
+    unknown = set(args.only) - {label for label, _, _ in CASES}
+    if unknown:
+        parser.error(f"--only: no case {', '.join(sorted(unknown))}")
+    cases = [c for c in CASES if not args.only or c[0] in args.only]
     lines = ["| case | clients | rounds | final accuracy | identical | fields added |",
              "|---|---|---|---|---|---|"]
     differing = []

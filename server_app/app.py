@@ -3,7 +3,6 @@ run the rounds, write results.json after each one."""
 
 from __future__ import annotations
 
-import random
 from logging import ERROR, INFO, WARNING
 
 from flwr.app import Context
@@ -48,7 +47,6 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "Invalid run config: %s", error)
         # An Exception (not SystemExit) is what marks the run as failed in Flower.
         raise ConfigError(str(error)) from None
-    random.seed(settings.seed)  # node sampling
     engine = RoundEngine(settings, wire, REGISTRY[settings.method].rule)
     recorder = ResultsRecorder(settings, engine, out_dir, tracking)
     log(INFO, "[start] method %s on %s (%s), results in %s", settings.method,

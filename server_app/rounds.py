@@ -2,22 +2,22 @@
 
 Flower's ``Strategy.start`` always begins at round 1; resuming needs the true round numbers
 (clients seed their training with them), so the ServerApp runs the loop itself: the
-engine's ``train_round`` then ``evaluate_round``, then results.json and the checkpoint.
+engine's ``plan_round`` and ``train_round`` (then ``evaluate_round``, unless the next round's
+exchange carries the evaluation), then results.json and the checkpoint.
 
 The checkpoint (``<output-dir>/checkpoint.npz``, written with ``common.durable.save_tree``:
 arrays and JSON only, ``fsync``ed, atomic) holds the round number, the method and the run
 config it was made with, the ids of the runs it continues (its lineage: a resumed run's
 clients accept personal state saved by those runs, up to the checkpoint's round), the shared
 arrays, the engine's snapshot (``RoundEngine.snapshot``: the method's per-client tables, the
-evaluation drawn and not yet asked), the rounds of
-results.json and the sampler's random state. Loading it runs no code. A resume whose run
+evaluation drawn and not yet asked, the sampler's state) and the rounds of results.json.
+Loading it runs no code. A resume whose run
 config differs from the checkpoint's in a key outside ``RESUMABLE_KEYS`` is refused with one
 line naming the keys.
 """
 
 from __future__ import annotations
 
-import random
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,7 @@ def save_checkpoint(path: Path, server_round: int, arrays: ArrayRecord,
         "round": server_round, "method": engine.settings.method,
         "config": dict(engine.settings.raw), "run_ids": run_ids,
         "arrays": {k: v.numpy() for k, v in arrays.items()},
-        **engine.snapshot(server_round), "rounds": recorder.rounds,
-        "random": random.getstate()})
+        **engine.snapshot(server_round), "rounds": recorder.rounds})
 
 
 def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
@@ -82,8 +81,6 @@ def resume(checkpoint: dict[str, Any], engine: RoundEngine,
     """Restore a checkpoint; returns (first round to run, shared arrays)."""
     engine.restore(checkpoint)
     recorder.rounds = list(checkpoint["rounds"])
-    version, state, gauss = checkpoint["random"]
-    random.setstate((version, tuple(state), gauss))
     arrays = ArrayRecord({k: Array(v) for k, v in checkpoint["arrays"].items()})
     log(INFO, "[resume] from round %d", checkpoint["round"])
     return checkpoint["round"] + 1, arrays
@@ -94,18 +91,15 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
                run_ids: list[str]) -> tuple[ArrayRecord, str]:
     """The rounds; the final shared arrays, and why training stopped before ``last_round``
     ("" if it did not: a DP run stops before a round that would spend more than
-    ``dp.target-epsilon``)."""
+    ``dp.target-epsilon``). A round's record goes to results.json once the engine says it
+    is complete: after its evaluate exchange, or (fused evaluation) after the next round's
+    exchange, which carried its evaluation."""
     fused = engine.settings.fused_evaluation
     recorder.start()  # starts the round clock, writes results.json
     stopped = ""
     for server_round in range(first_round, last_round + 1):
-        # with fused evaluation, round r's exchange also evaluates round r - 1: say so, so
-        # that the accuracy lines that follow read in order
-        evaluating = (f", evaluating round {server_round - 1}"
-                      if fused and server_round - 1 > recorder.last_round else "")
-        log(INFO, "[round %d/%d] training%s", server_round, last_round, evaluating)
         try:
-            updated = engine.train_round(grid, server_round, arrays)
+            plan = engine.plan_round(grid, server_round, arrays)
         except BudgetSpentError as spent:  # raised before any message of the round went out
             if server_round == first_round:
                 raise RunFailedError(str(spent), first_round - 1) from None
@@ -113,19 +107,22 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
             log(INFO, "[round %d/%d] not run: %s", server_round, last_round, stopped)
             last_round = server_round - 1
             break
-        if updated is not None:
-            arrays = updated
-        if not fused:
-            engine.evaluate_round(grid, server_round, arrays)
-            recorder.on_round(server_round)
-        elif server_round - 1 > recorder.last_round:  # its evaluation came with this exchange
-            recorder.on_round(server_round - 1)
+        # the accuracy lines that follow read in order: say which round this one evaluates
+        evaluating = ("" if plan.evaluated is None
+                      else f", evaluating round {plan.evaluated}")
+        log(INFO, "[round %d/%d] training%s", server_round, last_round, evaluating)
+        outcome = engine.train_round(grid, plan, arrays)
+        if outcome.arrays is not None:
+            arrays = outcome.arrays
+        completed = (outcome.completed if fused
+                     else engine.evaluate_round(grid, server_round, arrays))
+        if completed is not None:
+            recorder.on_round(completed)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, engine,
                         recorder, run_ids)
     if fused:  # the last round's evaluation: its own exchange
         log(INFO, "[round %d/%d] evaluating", last_round, last_round)
-        engine.evaluate_round(grid, last_round, arrays)
-        recorder.on_round(last_round)
+        recorder.on_round(engine.evaluate_round(grid, last_round, arrays))
         save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, engine,
                         recorder, run_ids)
     return arrays, stopped

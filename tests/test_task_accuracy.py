@@ -43,7 +43,7 @@ from common.record import personalized_stats
 from comparison.stats import summarize_run
 from fldata import dataset_shape
 from server_app.tracking import round_metrics
-from strategies.engine import RoundEngine
+from strategies.engine import RoundEngine, RoundPlan
 from strategies.engine.exchange import Exchange
 from strategies.registry import REGISTRY, initial_state, load_settings
 from strategies.training import accuracy_scores, evaluate_model
@@ -187,6 +187,18 @@ def _reply(message: Message, partition: int, metrics: dict) -> Message:
         str(partition), partition, 8)}), reply_to=message)
 
 
+def _read_evaluation(strategy: RoundEngine, evaluated: int, sent: list[Message],
+                     replies: list[tuple[int, Message]]) -> None:
+    """Round ``evaluated``'s evaluation out of the next round's exchange, as the engine reads
+    and records it: every node ``sent`` a message evaluates (train messages: fused)."""
+    nodes = {m.metadata.dst_node_id: None for m in sent}
+    trainers = {m.metadata.dst_node_id: None for m in sent
+                if m.metadata.message_type == MessageType.TRAIN}
+    read = strategy.read(RoundPlan(evaluated + 1, trainers, nodes, evaluated),
+                         Exchange(sent, replies))
+    strategy.evaluation.record_replies(evaluated, read.evaluations, read.fused_evaluations)
+
+
 @pytest.mark.usefixtures("server_task")
 def test_fused_and_separate_evaluations_carry_task_accuracy_and_bad_values_are_dropped():
     """Round 1's evaluation out of round 2's exchange: evaluate replies (task accuracy 0.5;
@@ -210,8 +222,7 @@ def test_fused_and_separate_evaluations_carry_task_accuracy_and_bad_values_are_d
                    EVAL_EXAMPLES: 40, EVAL_TASK_ACCURACY: task}
         train_sent.append(message)
         train_replies.append((100 + partition, _reply(message, partition, metrics)))
-    strategy.evaluation.split_off(1, Exchange(train_sent, train_replies),
-                                  Exchange(evaluate_sent, evaluate_replies), {103, 104})
+    _read_evaluation(strategy, 1, train_sent + evaluate_sent, train_replies + evaluate_replies)
     record = strategy.ledger.record(1)
     assert record.eval["per_client"] == {"0": 0.9, "1": 0.9, "3": 0.6}
     assert record.eval["accuracy_task_mean"] == 0.75
@@ -235,8 +246,7 @@ def test_a_fused_evaluation_weighs_a_client_by_its_first_reported_test_examples(
             replies.append((100 + partition, _reply(message, partition, {
                 NUM_EXAMPLES: 50, "train-loss": 1.0, EVAL_ACCURACY: accuracy,
                 EVAL_EXAMPLES: examples})))
-        strategy.evaluation.split_off(server_round, Exchange(sent, replies), Exchange([], []),
-                                      {103, 104})
+        _read_evaluation(strategy, server_round, sent, replies)
         assert strategy.ledger.record(server_round).eval["accuracy_weighted"] == \
             pytest.approx(0.8)
 

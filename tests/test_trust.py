@@ -32,10 +32,9 @@ from common.protocol import (
     METRICS,
     NUM_EXAMPLES,
     SERVER_ROUND,
-    TRAIN_METRICS,
 )
 from server_app.rounds import check_resumable
-from strategies.engine import RoundEngine
+from strategies.engine import RoundEngine, RoundPlan
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import valid_replies
 from strategies.engine.robust import combine
@@ -62,6 +61,14 @@ def _honest_reply(client: Client, arrays: ArrayRecord) -> tuple[Message, RecordD
                                "cpu-seconds": 0.5}),
         CLIENT: identity})
     return message, content
+
+
+def _training(server_round: int, sent: list[Message], evaluating: list[Message] = (),
+              evaluated: int | None = None) -> RoundPlan:
+    """The plan of a round whose train messages were ``sent`` (``evaluating``: those that
+    also carry round ``evaluated``'s evaluation)."""
+    return RoundPlan(server_round, {m.metadata.dst_node_id: None for m in sent},
+                     {m.metadata.dst_node_id: None for m in evaluating}, evaluated)
 
 
 def _first(arrays: ArrayRecord) -> tuple[str, np.ndarray]:
@@ -114,9 +121,7 @@ def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
             TRAIN_CASES[case][0](content)
         sent.append(message)
         replies.append((client.context.node_id, Message(content, reply_to=message)))
-    valid = valid_replies(strategy.ledger, strategy.nodes, 1, "train", Exchange(sent, replies),
-                          TRAIN_METRICS, 1.0, lambda r: strategy.wire.uplink_spec(r.info, None),
-                          max_examples=strategy.settings.max_num_examples)
+    valid = strategy.read(_training(1, sent), Exchange(sent, replies)).updates
     assert [r.client_id for r in valid] == ["0"]
     dropped = strategy.ledger.record(1).dropped
     assert len(dropped) == 1 and dropped[0]["node"] == 101
@@ -150,9 +155,8 @@ def test_pfedc_task_weights_of_strings_are_dropped():
     message, content = _honest_reply(client, initial)
     weights = list(content[CLIENT]["pfedc.task-weights"])
     content[CLIENT]["pfedc.task-weights"] = ["x"] * len(weights)
-    valid = valid_replies(strategy.ledger, strategy.nodes, 1, "train",
-                          Exchange([message], [(100, Message(content, reply_to=message))]),
-                          TRAIN_METRICS, 1.0, lambda r: strategy.wire.uplink_spec(r.info, None))
+    valid = strategy.read(_training(1, [message]), Exchange(
+        [message], [(100, Message(content, reply_to=message))])).updates
     assert valid == []
     assert "pfedc.task-weights" in strategy.ledger.record(1).dropped[0]["reason"]
 
@@ -372,14 +376,17 @@ def test_the_evaluation_a_train_reply_carries_is_validated_on_its_own():
         if not arrays_ok:
             _set_array(content, lambda v: Array(np.zeros((3, *v.shape), v.dtype)))
         replies.append((message, Message(content, reply_to=message)))
-    batch = Exchange([m for m, _ in replies],
-                     [(m.metadata.dst_node_id, r) for m, r in replies])
-    trained = strategy.replies.valid(2, "train", batch, TRAIN_METRICS, strategy.uplink_expected())
-    assert [r.client_id for r in trained] == ["0"]
-    strategy.evaluation.split_off(1, batch, Exchange([], []),
-                               {m.metadata.dst_node_id for m, _ in replies})
+    sent = [m for m, _ in replies]
+    read = strategy.read(_training(2, sent, evaluating=sent, evaluated=1),
+                         Exchange(sent, [(m.metadata.dst_node_id, r) for m, r in replies]))
+    assert [r.client_id for r in read.updates] == ["0"]
+    strategy.evaluation.record_replies(1, read.evaluations, read.fused_evaluations)
     record = strategy.ledger.record(1)
     assert record.eval["per_client"] == {"0": 0.75, "3": 0.25}
     reasons = {d["client"]: d["reason"] for d in record.dropped if d["stage"] == "evaluate"}
     assert "'eval-accuracy' = 7.0 is outside" in reasons["1"]
     assert "'eval-accuracy' must be a number" in reasons["2"]
+    # each reply read once: one drop per job it failed, under the round of that job
+    assert sorted(d["client"] for d in record.dropped) == ["1", "2"]
+    trained = {d["client"]: d["reason"] for d in strategy.ledger.record(2).dropped}
+    assert sorted(trained) == ["1", "2", "3"] and "shape" in trained["3"]

@@ -24,13 +24,11 @@ from common.protocol import (
     METRICS,
     NUM_EXAMPLES,
     SERVER_ROUND,
-    TRAIN_METRICS,
 )
 from models.factorized_fl import matching_key
 from models.pfedc import branch_of_key
-from strategies.engine import RoundEngine
+from strategies.engine import RoundEngine, RoundPlan
 from strategies.engine.exchange import Exchange
-from strategies.engine.replies import valid_replies
 from strategies.registry import REGISTRY, initial_state
 from tests.conftest import app_config, make_client
 
@@ -74,10 +72,8 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
             CLIENT: identity}), reply_to=message)
         sent.append(message)
         replies.append((client.context.node_id, reply))
-    masks = strategy.rule.uplink_rows()
-    valid = valid_replies(strategy.ledger, strategy.nodes, server_round, "train",
-                          Exchange(sent, replies), TRAIN_METRICS, 1.0,
-                          lambda r: strategy.wire.uplink_spec(r.info, masks))
+    plan = RoundPlan(server_round, {m.metadata.dst_node_id: None for m in sent}, {}, None)
+    valid = strategy.read(plan, Exchange(sent, replies)).updates
     return valid, strategy.ledger.record(server_round).dropped
 
 
@@ -131,9 +127,8 @@ def test_a_reply_that_breaks_the_wire_spec_is_dropped():
         ARRAYS: client.shared_arrays(model, initial, identity),
         METRICS: MetricRecord({NUM_EXAMPLES: 5, "train-loss": 1.0}), CLIENT: lying}),
         reply_to=message)
-    valid = valid_replies(strategy.ledger, strategy.nodes, 1, "train",
-                          Exchange([message], [(100, reply)]), TRAIN_METRICS, 1.0,
-                          lambda r: wire.uplink_spec(r.info, None))
+    valid = strategy.read(RoundPlan(1, {100: None}, {}, None),
+                          Exchange([message], [(100, reply)])).updates
     assert valid == []
     assert "missing" in strategy.ledger.record(1).dropped[0]["reason"]
     assert np.count_nonzero(weights) < len(weights)

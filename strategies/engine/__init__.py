@@ -7,7 +7,8 @@ from strategies.engine.privacy import BudgetSpentError
 from strategies.engine.replies import RunFailedError
 from strategies.engine.robust import combine
 from strategies.engine.round_engine import RoundEngine
+from strategies.engine.round_plan import RoundOutcome, RoundPlan
 from strategies.engine.rule import AFTER_TRAINING, MethodRule, RuleContext
 
-__all__ = ["AFTER_TRAINING", "BudgetSpentError", "MethodRule", "RoundEngine", "RuleContext",
-           "RunFailedError", "combine"]
+__all__ = ["AFTER_TRAINING", "BudgetSpentError", "MethodRule", "RoundEngine", "RoundOutcome",
+           "RoundPlan", "RuleContext", "RunFailedError", "combine"]

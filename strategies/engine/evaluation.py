@@ -13,11 +13,12 @@ Two protocols give the same numbers (a test checks it):
   the same too.
 
 ``PendingEvaluation`` owns round ``r``'s evaluation from the draw to the record: ``draw``
-(at the end of round ``r``), ``take`` (round ``r + 1`` carries it, or the evaluate exchange
-sends it), ``split_off`` (the fused replies, out of round ``r + 1``'s exchange), ``record``
-(results.json shows round ``r`` once its evaluation is in: one round late with fused
-evaluation, ``server_app/rounds.py``), and ``state`` / ``restore`` / ``resolve`` (a
-checkpoint taken between the draw and the exchange).
+(at the end of round ``r``), ``take`` (round ``r + 1``'s plan carries it,
+``round_plan.RoundPlan``, or the evaluate exchange sends it), ``record_replies`` (the
+replies, read with round ``r + 1``'s by ``round_plan.read_round``, or the evaluate
+exchange's; round ``r``'s record is then complete: one round late with fused evaluation),
+and ``state`` / ``restore`` / ``resolve`` (a checkpoint taken between the draw and the
+exchange).
 """
 
 from __future__ import annotations
@@ -26,47 +27,14 @@ from dataclasses import asdict
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
 
 from common.config import RunSettings
-from common.protocol import (
-    EVAL_ACCURACY,
-    EVAL_CPU,
-    EVAL_EXAMPLES,
-    EVAL_TASK_ACCURACY,
-    EVALUATE_METRICS,
-    NUM_EXAMPLES,
-    TASK_ACCURACY,
-    ClientReply,
-    ReplyError,
-    client_order,
-)
+from common.protocol import EVAL_CPU, TASK_ACCURACY, ClientReply, client_order
 from common.record import RoundRecord, personalized_stats
 from strategies.engine.accounting import RoundLedger
-from strategies.engine.exchange import Exchange
 from strategies.engine.identity import NodeDirectory
-from strategies.engine.replies import ReplyCheck
-
-Drawn = dict[int, str | None]
-"""node -> client id (None: a node not identified yet)."""
-
-
-def fused_evaluation(reply: ClientReply) -> ClientReply:
-    """The evaluation a valid train reply carries, as an evaluate reply of the same client
-    (``num-examples``: its test examples, ``accuracy``, ``task-accuracy`` when it carries
-    ``eval-task-accuracy``, and ``eval-cpu-seconds``). Raises ``ReplyError`` if the
-    ``eval-*`` metrics are missing or malformed (their ranges are checked with every metric,
-    ``common.protocol.METRIC_RANGES``)."""
-    accuracy = reply.metrics.get(EVAL_ACCURACY)
-    examples = reply.metrics.get(EVAL_EXAMPLES)
-    if not isinstance(accuracy, float) or not isinstance(examples, int) or examples <= 0:
-        raise ReplyError(f"train reply lacks a valid {EVAL_ACCURACY}/{EVAL_EXAMPLES}")
-    task = ({TASK_ACCURACY: float(reply.metrics[EVAL_TASK_ACCURACY])}
-            if EVAL_TASK_ACCURACY in reply.metrics else {})
-    return ClientReply(reply.node_id, reply.client_id, ArrayRecord(), MetricRecord(
-        {NUM_EXAMPLES: examples, "accuracy": accuracy, **task,
-         EVAL_CPU: float(reply.metrics.get(EVAL_CPU, 0.0))}), reply.info)
+from strategies.engine.round_plan import Drawn
 
 
 def scores_of(replies: list[ClientReply]) -> dict[str, tuple[float, int]]:
@@ -84,10 +52,9 @@ def task_accuracies_of(replies: list[ClientReply]) -> dict[str, float]:
 class PendingEvaluation:
     """The evaluation drawn and not yet asked, and every client's latest accuracy."""
 
-    def __init__(self, settings: RunSettings, ledger: RoundLedger, replies: ReplyCheck) -> None:
+    def __init__(self, settings: RunSettings, ledger: RoundLedger) -> None:
         self.settings = settings
         self.ledger = ledger
-        self.replies = replies
         self.per_client_accuracy: dict[str, float] = {}
         self.drawn: Drawn | None = None  # nodes drawn to evaluate the last round
         self._drawn_clients: set[str] | None = None  # the same, after a resume
@@ -110,31 +77,16 @@ class PendingEvaluation:
         return drawn
 
     # ------------------------------------------------------------------ replies and record
-    def split_off(self, server_round: int, train: Exchange, evaluate: Exchange,
-                  evaluators: set[int]) -> None:
-        """Round ``server_round``'s evaluation out of the next round's exchange: the evaluate
-        replies, and the ``eval-*`` metrics of the evaluators' train replies, validated on
-        their own like any reply (envelope, identity, metrics; the arrays are the train
-        stage's business: a train reply dropped for its arrays still counts for the
-        evaluation, as it would in the two-exchange protocol)."""
-        valid = self.replies.valid(server_round, "evaluate", evaluate, EVALUATE_METRICS)
-        evaluating = Exchange([m for m in train.sent if m.metadata.dst_node_id in evaluators],
-                              [(n, r) for n, r in train.replies if n in evaluators])
-        fused = []
-        for reply in self.replies.valid_envelopes(server_round, "evaluate", evaluating,
-                                                  (EVAL_ACCURACY, EVAL_EXAMPLES)):
-            try:
-                fused.append(fused_evaluation(reply))
-            except ReplyError as reason:
-                self.ledger.drop(server_round, "evaluate", reply.node_id, reply.client_id,
-                                 str(reason))
-        fused = self.replies.example_counts.bound("evaluate", fused)  # their test examples
-        self.ledger.client_cpu(server_round, "evaluate", valid)
-        self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
-        scores = scores_of(valid + fused)
-        self.record(server_round, dict(sorted(scores.items(),
-                                              key=lambda kv: client_order(kv[0]))),
-                    task_accuracies_of(valid + fused))
+    def record_replies(self, server_round: int, evaluations: list[ClientReply],
+                       fused: list[ClientReply] | None = None) -> None:
+        """Round ``server_round``'s evaluation from its valid evaluate replies and the valid
+        evaluations train replies carried (``round_plan.fused_evaluation``): the clients' CPU
+        time, then the statistics (``record``), in client order."""
+        self.ledger.client_cpu(server_round, "evaluate", evaluations)
+        if fused is not None:
+            self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
+        replies = sorted(evaluations + (fused or []), key=lambda r: client_order(r.client_id))
+        self.record(server_round, scores_of(replies), task_accuracies_of(replies))
 
     def record(self, server_round: int, scores: dict[str, tuple[float, int]],
                task_accuracy: dict[str, float] | None = None) -> None:

@@ -68,10 +68,13 @@ class PrivacyLedger:
         self._merged: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ before a round
-    def sampler(self) -> random.Random | Any:
+    def sampler(self) -> random.Random:
         """What draws the round's clients: a secret draw under central DP (subsampling
-        amplifies only when nobody can tell who was drawn), else the seeded ``random``."""
-        return random.SystemRandom() if self.mode == "central" else random
+        amplifies only when nobody can tell who was drawn), else a generator of the run's
+        own, seeded with ``seed``. Never the module's global one: Flower's heartbeat thread
+        draws from it at times that vary between runs, which made a run's draws vary too."""
+        return (random.SystemRandom() if self.mode == "central"
+                else random.Random(self.settings.seed))
 
     def message_config(self) -> dict[str, float]:
         """What every train message carries: this round's clip norm."""

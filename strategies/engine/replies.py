@@ -10,8 +10,9 @@ in the same way (``stop_if_every_reply_failed``): then the run stops with that r
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 
 from common.config import RunSettings
 from common.protocol import (
@@ -57,59 +58,73 @@ def stop_if_every_reply_failed(exchange_name: str, through_round: int, batch: Ex
                              f"failed: {reason}", through_round)
 
 
+Drop = Callable[[int, str, str], None]
+"""(node id, client id or "?", reason): record one dropped reply (``RoundLedger.drop`` under
+the round and stage, or stages, the reply was for)."""
+
+
 def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
                   batch: Exchange, metric_keys: tuple[str, ...] | None, timeout: float,
                   expected_arrays: Callable[[ClientReply], ArraySpec] | None = None,
-                  max_examples: int | None = None, read_arrays: bool = True
-                  ) -> list[ClientReply]:
+                  max_examples: int | None = None) -> list[ClientReply]:
     """The replies of ``batch`` that pass every check, in client order (reply order is
     arbitrary; a fixed order makes float sums, and runs, reproducible), in three stages: who
     replied (``note_presence``: bookkeeping only), each reply read (``read_or_error``: no
     bookkeeping), then admitted or dropped (``admitted``).
 
-    Every exchange goes through here (train, evaluate, identify, a method's queries):
+    Every exchange goes through here (evaluate, identify, a method's queries) or through
+    ``round_plan.read_round`` (a round's train exchange, which may carry an evaluation too):
     ``metric_keys`` None for a query (no metrics needed), ``expected_arrays`` the arrays the
-    reply must carry (None: it must carry none; ``read_arrays`` False: they are not read, for
-    the evaluation a train reply carries). Any exception while reading one reply drops
+    reply must carry (None: it must carry none). Any exception while reading one reply drops
     that reply, with its reason, and the rest go on; a reply whose client id its node may not
     speak for (``NodeDirectory.claim``) is dropped likewise."""
-    note_presence(ledger, nodes, server_round, stage, batch, timeout)
-    read = [(node_id, reply, read_or_error(node_id, reply, metric_keys, expected_arrays,
-                                           max_examples, read_arrays))
+    def drop(node_id: int, client_id: str, reason: str) -> None:
+        ledger.drop(server_round, stage, node_id, client_id, reason)
+
+    note_presence(ledger, nodes, server_round if stage == "train" else None, batch, timeout,
+                  drop)
+    read = [(node_id, reply, read_or_error(partial(read_reply, node_id, reply, metric_keys,
+                                                   expected_arrays, max_examples)))
             for node_id, reply in batch.replies]
-    return admitted(ledger, nodes, server_round, stage, read)
+    return admitted(nodes, server_round, read, drop)
 
 
-def note_presence(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
-                  batch: Exchange, timeout: float) -> None:
+def note_presence(ledger: RoundLedger, nodes: NodeDirectory, uplink_round: int | None,
+                  batch: Exchange, timeout: float, drop: Drop) -> None:
     """The bookkeeping of who replied, before any reply is read: each node that did not
-    reply dropped with its reason and counted missing, the others counted present, and a
-    train reply's bytes counted whether or not it will pass."""
+    reply dropped with its reason and counted missing, the others counted present, and (a
+    train exchange: ``uplink_round``) every reply's bytes counted whether or not it will
+    pass."""
     missing = batch.missing()
     nodes.missed(missing)
     for node_id in missing:
-        ledger.drop(server_round, stage, node_id, nodes.client_of(node_id) or "?",
-                    f"no reply within round-timeout ({timeout:.0f} s)")
+        drop(node_id, nodes.client_of(node_id) or "?",
+             f"no reply within round-timeout ({timeout:.0f} s)")
     nodes.answered(node for node, _ in batch.replies)
-    if stage == "train":
+    if uplink_round is not None:
         for _, reply in batch.replies:
-            ledger.uplink(server_round, reply)
+            ledger.uplink(uplink_round, reply)
 
 
-def read_or_error(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
-                  expected_arrays: Callable[[ClientReply], ArraySpec] | None,
-                  max_examples: int | None, read_arrays: bool) -> ClientReply | Exception:
-    """``read_reply``, or the exception that reading raised: whatever one reply holds, the
-    round goes on."""
+def read_or_error(read: Callable[[], ClientReply]) -> ClientReply | Exception:
+    """What ``read`` (one reply's reading, a ``functools.partial``) returns, or the
+    exception it raised: whatever one reply holds, the round goes on."""
     try:
-        return read_reply(node_id, reply, metric_keys, expected_arrays, max_examples,
-                          read_arrays)
+        return read()
     except Exception as error:
         return error
 
 
-def admitted(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage: str,
-             read: list[tuple[int, Message, ClientReply | Exception]]) -> list[ClientReply]:
+def reason_of(error: Exception) -> str:
+    """Why a reply is dropped, in one line: a ``ReplyError``'s own words, else the
+    exception's type and (shortened) message."""
+    return (str(error) if isinstance(error, ReplyError)
+            else f"{type(error).__name__}: {shown(str(error), 200)}")
+
+
+def admitted(nodes: NodeDirectory, server_round: int,
+             read: list[tuple[int, Message, ClientReply | Exception]], drop: Drop
+             ) -> list[ClientReply]:
     """The replies that were read and whose node may speak for their client id
     (``NodeDirectory.claim``; an id several nodes claim at once is nobody's), in client
     order; every other one dropped with its reason."""
@@ -128,10 +143,8 @@ def admitted(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage
                 raise ReplyError(refused)
         except Exception as error:
             claimed = claimed_client_id(reply)
-            client_id = nodes.client_of(node_id) or (shown(claimed) if claimed else "?")
-            reason = (str(error) if isinstance(error, ReplyError)
-                      else f"{type(error).__name__}: {shown(str(error), 200)}")
-            ledger.drop(server_round, stage, node_id, client_id, reason)
+            drop(node_id, nodes.client_of(node_id) or (shown(claimed) if claimed else "?"),
+                 reason_of(error))
             continue
         valid.append(checked)
     return sorted(valid, key=lambda r: client_order(r.client_id))
@@ -139,14 +152,12 @@ def admitted(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, stage
 
 def read_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
                expected_arrays: Callable[[ClientReply], ArraySpec] | None,
-               max_examples: int | None, read_arrays: bool = True) -> ClientReply:
+               max_examples: int | None) -> ClientReply:
     """One reply checked: its envelope (``parse_reply``), then its arrays against what the
-    method expects of it (the decoded, checked values replace the received ones; with
-    ``read_arrays`` False they are left out unread)."""
+    method expects of it (the decoded, checked values replace the received ones)."""
     checked = parse_reply(node_id, reply, metric_keys, max_examples)
-    checked.arrays = (check_arrays(checked.arrays, expected_arrays(checked)
-                                   if expected_arrays is not None else {})
-                      if read_arrays else ArrayRecord())
+    checked.arrays = check_arrays(checked.arrays, expected_arrays(checked)
+                                  if expected_arrays is not None else {})
     return checked
 
 
@@ -173,12 +184,3 @@ class ReplyCheck:
                               max_examples=self.settings.max_num_examples)
         return (self.example_counts.bound(stage, valid) if stage in ("train", "evaluate")
                 else valid)
-
-    def valid_envelopes(self, server_round: int, stage: str, batch: Exchange,
-                        metric_keys: tuple[str, ...]) -> list[ClientReply]:
-        """The replies of ``batch`` whose envelope, identity and metrics pass; their arrays
-        are not read and their example counts not bounded (the evaluation a train reply
-        carries: its arrays are the train stage's business)."""
-        return valid_replies(self.ledger, self.nodes, server_round, stage, batch, metric_keys,
-                             self.settings.round_timeout,
-                             max_examples=self.settings.max_num_examples, read_arrays=False)

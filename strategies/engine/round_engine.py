@@ -1,20 +1,23 @@
 """``RoundEngine``: the rounds every method runs (contracts §3-§5), holding the method's
 server rule (``rule.MethodRule``).
 
-A round, as ``train_round`` runs it (the ServerApp's loop, with checkpoints, is
-``server_app/rounds.py``):
+A round, as ``plan_round`` (stages 1-2) and ``train_round`` (3-7) run it (the ServerApp's
+loop, with checkpoints, is ``server_app/rounds.py``):
 
 1. **expire** client ids not heard from for ``identity.expire-rounds``; the rule's
    ``start_round``;
-2. **admit and sample**: wait for ``min-nodes``, identify newcomers (``Admission``: identify
-   queries, a rejoining client's evaluation), then draw a ``fraction-train`` share (a secret
-   draw under central DP: ``PrivacyLedger.sampler``);
+2. **plan**: wait for ``min-nodes``, identify newcomers (``Admission``: identify queries, a
+   rejoining client's evaluation), draw a ``fraction-train`` share (a secret draw under
+   central DP: ``PrivacyLedger.sampler``), and take the evaluation drawn at the end of the
+   last round: a ``round_plan.RoundPlan`` (who trains, who evaluates which round);
 3. **address**: one message per node with its own ``downlink`` (``Messenger``); with fused
-   evaluation the clients drawn at the end of the last round evaluate first;
+   evaluation the plan's evaluators that train evaluate first, the others get an evaluate
+   message in the same exchange;
 4. **exchange**: send and wait (``round-timeout``, ``max-in-flight``);
-5. **validate** each reply against the wire spec (``ReplyCheck``; a reply that fails is
-   dropped with its reason); split off the last round's evaluation (``PendingEvaluation``);
-   stop the run if every reply failed the same way;
+5. **read** every reply once (``round_plan.read_round``): its envelope and identity, then
+   its train update (arrays against the wire spec) and its evaluation, each dropped with its
+   reason on its own fault; record the evaluated round's scores (``PendingEvaluation``: that
+   round's record is now complete); stop the run if every reply failed the same way;
 6. **merge** (the rule's ``merge_updates``; under central DP its mean is the noised one of
    ``PrivacyLedger.merge``) and record the round (``RoundLedger``: bytes, CPU, drops, loss;
    ``PrivacyLedger.account``: the privacy spent);
@@ -28,6 +31,7 @@ and the message config.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from logging import INFO, WARNING
 from typing import Any, Generic
@@ -37,26 +41,23 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.config import MethodSettingsT, RunSettings
-from common.protocol import (
-    EVALUATE_METRICS,
-    TRAIN_METRICS,
-    ArraySpec,
-    ClientReply,
-)
+from common.protocol import EVALUATE_METRICS, ArraySpec, ClientReply
 from common.record import RoundRecord
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.admission import Admission
-from strategies.engine.evaluation import (
-    Drawn,
-    PendingEvaluation,
-    scores_of,
-    task_accuracies_of,
-)
-from strategies.engine.exchange import Messenger
+from strategies.engine.evaluation import PendingEvaluation
+from strategies.engine.exchange import Exchange, Messenger
 from strategies.engine.identity import NodeDirectory
 from strategies.engine.privacy import PrivacyLedger
 from strategies.engine.replies import ReplyCheck, stop_if_every_reply_failed
 from strategies.engine.robust import ExampleCounts
+from strategies.engine.round_plan import (
+    Drawn,
+    RoundOutcome,
+    RoundPlan,
+    RoundReplies,
+    read_round,
+)
 from strategies.engine.rule import MethodRule, RuleContext
 from strategies.wire import WireSpec
 
@@ -79,7 +80,7 @@ class RoundEngine(Generic[MethodSettingsT]):
         # the rule is built last (it needs the context), and reached through these two
         self.messenger = Messenger(settings, self.ledger,
                                    lambda *args: self.rule.downlink(*args))
-        self.evaluation = PendingEvaluation(settings, self.ledger, self.replies)
+        self.evaluation = PendingEvaluation(settings, self.ledger)
         self.admission = Admission(settings, self.nodes, self.messenger, self.replies,
                                    self.ledger, self.evaluation,
                                    lambda *args: self.rule.client_identified(*args))
@@ -109,11 +110,11 @@ class RoundEngine(Generic[MethodSettingsT]):
         self.evaluation.resolve(self.nodes)
         self.privacy.fix_population(self.nodes.client_info)  # before round 1's budget check
 
-    def train_round(self, grid: Grid, server_round: int, arrays: ArrayRecord
-                    ) -> ArrayRecord | None:
-        """One round, stages in order (module docstring); the new shared arrays (None: no
-        valid reply, the shared model stays as it was)."""
-        previous = server_round - 1
+    def plan_round(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> RoundPlan:
+        """Stages 1-2 of round ``server_round`` (module docstring): who trains, and who
+        evaluates which round (the evaluation drawn at the end of the last round). Raises
+        ``BudgetSpentError`` (before any train message went out) when the round would spend
+        more privacy than ``dp.target-epsilon``."""
         with self.ledger.server_cpu(server_round):
             self.forget_expired(server_round)
             self.rule.start_round(server_round)
@@ -121,26 +122,32 @@ class RoundEngine(Generic[MethodSettingsT]):
             trainers = self.draw(eligible, self.settings.fraction_train)
             self.privacy.round_drawn([c or f"node-{n}" for n, c in trainers.items()],
                                      len(eligible))  # raises BudgetSpentError past the target
-            evaluators = self.evaluation.take() or {}
-            messages = self.messenger.address(server_round, trainers, arrays,
+            evaluators = self.evaluation.take()
+            return RoundPlan(server_round, trainers, evaluators or {},
+                             None if evaluators is None else server_round - 1)
+
+    def train_round(self, grid: Grid, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
+        """Stages 3-7 of ``plan``'s round (module docstring): the new shared arrays, and the
+        round whose record the exchange completed."""
+        server_round = plan.round
+        with self.ledger.server_cpu(server_round):
+            messages = self.messenger.address(server_round, plan.trainers, arrays,
                                               MessageType.TRAIN, server_round,
-                                              evaluate_first=set(evaluators),
+                                              evaluate_first=plan.evaluating_trainers(),
                                               config=self.privacy.message_config())
-            messages += self.messenger.address(
-                previous, {n: c for n, c in evaluators.items() if n not in trainers}, arrays,
-                MessageType.EVALUATE, previous)
+            if plan.evaluated is not None:
+                messages += self.messenger.address(plan.evaluated, plan.evaluating_only(),
+                                                   arrays, MessageType.EVALUATE, plan.evaluated)
         batch = self.messenger.send(grid, messages)
         with self.ledger.server_cpu(server_round):
-            parts = batch.by_type()
-            valid = self.replies.valid(server_round, "train", parts[MessageType.TRAIN],
-                                       TRAIN_METRICS, self.uplink_expected())
-            self.ledger.client_cpu(server_round, "train", valid)
-            if evaluators:
-                self.evaluation.split_off(previous, parts[MessageType.TRAIN],
-                                          parts[MessageType.EVALUATE], set(evaluators))
+            replies = self.read(plan, batch)
+            self.ledger.client_cpu(server_round, "train", replies.updates)
+            if plan.evaluators:
+                self.evaluation.record_replies(plan.evaluated, replies.evaluations,
+                                               replies.fused_evaluations)
             stop_if_every_reply_failed(f"training of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
-            updated = self.merge(server_round, valid, arrays)
+            updated = self.merge(server_round, replies.updates, arrays)
             spent = self.privacy.account(updated is not None)
             if spent is not None:
                 self.ledger.report(server_round, "privacy", spent)
@@ -149,11 +156,12 @@ class RoundEngine(Generic[MethodSettingsT]):
                 self.evaluation.draw(self.admit_and_sample(
                     grid, server_round, arrays if updated is None else updated,
                     self.evaluation.fraction(server_round), MessageType.EVALUATE))
-        return updated
+        return RoundOutcome(updated, plan.evaluated)
 
-    def evaluate_round(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> None:
+    def evaluate_round(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> int:
         """The evaluate exchange of round ``server_round`` (the two-exchange protocol, and
-        the last round of the fused one: then with the clients drawn at its end)."""
+        the last round of the fused one: then with the clients drawn at its end); returns
+        the round whose record it completed (``server_round``)."""
         with self.ledger.server_cpu(server_round):
             clients = self.evaluation.take()
             if clients is None:
@@ -167,8 +175,8 @@ class RoundEngine(Generic[MethodSettingsT]):
             valid = self.replies.valid(server_round, "evaluate", batch, EVALUATE_METRICS)
             stop_if_every_reply_failed(f"evaluation of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
-            self.ledger.client_cpu(server_round, "evaluate", valid)
-            self.evaluation.record(server_round, scores_of(valid), task_accuracies_of(valid))
+            self.evaluation.record_replies(server_round, valid)
+        return server_round
 
     # ------------------------------------------------------------------ stages
     def forget_expired(self, server_round: int) -> None:
@@ -208,6 +216,11 @@ class RoundEngine(Generic[MethodSettingsT]):
                                                      max(int(len(eligible) * fraction), 1)))
         return {n: self.nodes.client_of(n) for n in node_ids}
 
+    def read(self, plan: RoundPlan, batch: Exchange) -> RoundReplies:
+        """The replies of ``plan``'s exchange, each read once (``round_plan.read_round``):
+        train replies against the wire spec's uplink, cut by this round's rows."""
+        return read_round(self.replies, plan, batch, self.uplink_expected())
+
     def uplink_expected(self) -> Callable[[ClientReply], ArraySpec]:
         """What a train reply must carry: the wire spec's uplink, cut by this round's rows."""
         masks = self.rule.uplink_rows()
@@ -235,14 +248,17 @@ class RoundEngine(Generic[MethodSettingsT]):
     def snapshot(self, server_round: int) -> dict[str, Any]:
         """Everything the engine needs to continue a run after ``server_round``: every
         client's latest accuracy, the rule's ``checkpointed`` tables, when each client id
-        was last heard from, the pinned example counts (``strategy``), and the evaluation
-        drawn and not yet asked (``pending_evaluation``)."""
+        was last heard from, the pinned example counts (``strategy``), the evaluation drawn
+        and not yet asked (``pending_evaluation``), and the sampler's state (``random``; a
+        secret draw under central DP has none)."""
+        secret = isinstance(self.sampler, random.SystemRandom)
         return {"strategy": {
                     "per_client_accuracy": self.evaluation.per_client_accuracy,
                     **{name: getattr(self.rule, name) for name in self.rule.checkpointed},
                     "last_seen": self.nodes.last_seen,
                     "example_counts": self.example_counts.pinned},
                 "pending_evaluation": self.evaluation.state(server_round),
+                **({} if secret else {"random": self.sampler.getstate()}),
                 **({"privacy": self.privacy.state()} if self.privacy.mode else {})}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
@@ -256,3 +272,6 @@ class RoundEngine(Generic[MethodSettingsT]):
         self.rule.tables_changed()
         self.evaluation.restore(snapshot.get("pending_evaluation"))
         self.privacy.restore(snapshot.get("privacy"))
+        if "random" in snapshot and not isinstance(self.sampler, random.SystemRandom):
+            version, state, gauss = snapshot["random"]
+            self.sampler.setstate((version, tuple(state), gauss))

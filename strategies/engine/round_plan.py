@@ -1,0 +1,166 @@
+"""One round's plan, and the one pass that reads its exchange's replies.
+
+A round's exchange can carry two jobs: training round ``r``, and (fused evaluation) the
+evaluation of round ``r - 1`` by the clients drawn for it at the end of that round
+(``evaluation.PendingEvaluation``). The ``RoundPlan`` fixes both before anything is sent:
+who trains, who evaluates, and which round they evaluate. ``read_round`` then reads every
+reply once (its envelope and the client id its node claims) and splits it into the jobs it
+serves: a train update (its arrays checked against the wire spec) and an evaluation (the
+``eval-*`` metrics a train reply carries, or an evaluate reply). A reply is dropped for each
+job it fails, under that job's round and stage: a train reply dropped for its arrays still
+counts for the evaluation, as it would in the two-exchange protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+
+from flwr.app import ArrayRecord, MessageType, MetricRecord
+
+from common.protocol import (
+    EVAL_ACCURACY,
+    EVAL_CPU,
+    EVAL_EXAMPLES,
+    EVAL_TASK_ACCURACY,
+    EVALUATE_METRICS,
+    NUM_EXAMPLES,
+    TASK_ACCURACY,
+    TRAIN_METRICS,
+    ArraySpec,
+    ClientReply,
+    ReplyError,
+    check_arrays,
+    parse_reply,
+)
+from strategies.engine.exchange import Exchange
+from strategies.engine.replies import (
+    ReplyCheck,
+    admitted,
+    note_presence,
+    read_or_error,
+    reason_of,
+)
+
+Drawn = dict[int, str | None]
+"""node -> client id (None: a node not identified yet)."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Who round ``round``'s exchange asks for what, fixed before anything is sent."""
+
+    round: int
+    trainers: Drawn
+    """The nodes that train round ``round``."""
+    evaluators: Drawn
+    """The nodes that evaluate round ``evaluated``: a trainer first, within its train
+    message (fused evaluation), any other with an evaluate message."""
+    evaluated: int | None
+    """The round whose evaluation this exchange completes (None: no evaluation was
+    pending: the two-exchange protocol, the run's first round, or after a finished run)."""
+
+    def evaluating_trainers(self) -> set[int]:
+        """The trainers that evaluate first (the fused-evaluation flag of their message)."""
+        return set(self.evaluators) & set(self.trainers)
+
+    def evaluating_only(self) -> Drawn:
+        """The evaluators that do not train this round: an evaluate message each."""
+        return {n: c for n, c in self.evaluators.items() if n not in self.trainers}
+
+
+@dataclass(frozen=True)
+class RoundReplies:
+    """What one round's exchange brought, read once (``read_round``)."""
+
+    updates: list[ClientReply]
+    """The valid train replies, in client order, their arrays checked."""
+    evaluations: list[ClientReply]
+    """The valid evaluate replies of round ``plan.evaluated``."""
+    fused_evaluations: list[ClientReply]
+    """The valid evaluations that train replies carried, as evaluate replies."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a round's train exchange changed (``RoundEngine.train_round``)."""
+
+    arrays: ArrayRecord | None
+    """The new shared arrays (None: no valid reply, the shared model stays as it was)."""
+    completed: int | None
+    """The round whose record the exchange completed (its evaluation came with it; None:
+    none did): results.json can show it."""
+
+
+def fused_evaluation(reply: ClientReply) -> ClientReply:
+    """The evaluation a train reply carries, as an evaluate reply of the same client
+    (``num-examples``: its test examples, ``accuracy``, ``task-accuracy`` when it carries
+    ``eval-task-accuracy``, and ``eval-cpu-seconds``). Raises ``ReplyError`` if the
+    ``eval-*`` metrics are missing or malformed (their ranges are checked with every metric,
+    ``common.protocol.METRIC_RANGES``)."""
+    accuracy = reply.metrics.get(EVAL_ACCURACY)
+    examples = reply.metrics.get(EVAL_EXAMPLES)
+    if not isinstance(accuracy, float) or not isinstance(examples, int) or examples <= 0:
+        raise ReplyError(f"train reply lacks a valid {EVAL_ACCURACY}/{EVAL_EXAMPLES}")
+    task = ({TASK_ACCURACY: float(reply.metrics[EVAL_TASK_ACCURACY])}
+            if EVAL_TASK_ACCURACY in reply.metrics else {})
+    return ClientReply(reply.node_id, reply.client_id, ArrayRecord(), MetricRecord(
+        {NUM_EXAMPLES: examples, "accuracy": accuracy, **task,
+         EVAL_CPU: float(reply.metrics.get(EVAL_CPU, 0.0))}), reply.info)
+
+
+def train_update(reply: ClientReply, expected_arrays: Callable[[ClientReply], ArraySpec]
+                 ) -> ClientReply:
+    """The train update a reply carries: its train metrics present, its arrays checked
+    against what the method expects of it (the decoded, checked values replace the received
+    ones). Raises on the first fault."""
+    missing = [k for k in TRAIN_METRICS if k not in reply.metrics]
+    if missing:
+        raise ReplyError(f"metrics lack {missing}")
+    return replace(reply, arrays=check_arrays(reply.arrays, expected_arrays(reply)))
+
+
+def read_round(check: ReplyCheck, plan: RoundPlan, batch: Exchange,
+               expected_arrays: Callable[[ClientReply], ArraySpec]) -> RoundReplies:
+    """Every reply of ``batch`` (the exchange ``plan`` sent) read once, in order: who replied
+    (a missing node dropped from each of its jobs); each train reply's envelope and train
+    update; the client id it claims (``admitted``: a reply speaks for its client once it
+    serves a job, its update or, for an evaluator, the evaluation its envelope carries; a
+    refusal drops it from each of its jobs); then its update and its evaluation, each
+    dropped on its own fault; the evaluate replies; example counts bounded by each client's
+    first report (``robust.ExampleCounts``)."""
+    parts = batch.by_type()
+    train = parts[MessageType.TRAIN]
+    ledger, settings = check.ledger, check.settings
+
+    def drop_jobs(node_id: int, client_id: str, reason: str) -> None:
+        ledger.drop(plan.round, "train", node_id, client_id, reason)
+        if node_id in plan.evaluators:
+            ledger.drop(plan.evaluated, "evaluate", node_id, client_id, reason)
+
+    note_presence(ledger, check.nodes, plan.round, train, settings.round_timeout, drop_jobs)
+    read = []
+    for node_id, reply in train.replies:
+        envelope = read_or_error(partial(parse_reply, node_id, reply, (),
+                                         settings.max_num_examples))
+        read.append((node_id, reply, envelope if node_id in plan.evaluators
+                     or isinstance(envelope, Exception)
+                     else read_or_error(partial(train_update, envelope, expected_arrays))))
+    updates, fused = [], []
+    for reply in admitted(check.nodes, plan.round, read, drop_jobs):
+        if reply.node_id not in plan.evaluators:
+            updates.append(reply)  # read in full above
+            continue
+        try:
+            updates.append(train_update(reply, expected_arrays))
+        except Exception as error:
+            ledger.drop(plan.round, "train", reply.node_id, reply.client_id, reason_of(error))
+        try:
+            fused.append(fused_evaluation(reply))
+        except ReplyError as error:
+            ledger.drop(plan.evaluated, "evaluate", reply.node_id, reply.client_id, str(error))
+    evaluations = (check.valid(plan.evaluated, "evaluate", parts[MessageType.EVALUATE],
+                               EVALUATE_METRICS) if plan.evaluating_only() else [])
+    return RoundReplies(check.example_counts.bound("train", updates), evaluations,
+                        check.example_counts.bound("evaluate", fused))
