@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -145,7 +146,7 @@ def main() -> None:
             f"the method's reports; the server's tables; FedFac's new clients).{added}\n\n"
             + "\n".join(lines) + "\n"
             + ("".join(f"\n- {d}" for d in differing) + "\n" if differing else ""))
-    command = " ".join(["python bench/same_behaviour.py", *sys.argv[1:]])
+    command = shlex.join(["python", "bench/same_behaviour.py", *sys.argv[1:]])
     write_report("same_behaviour", "Same behaviour before and after a change", command, body)
     sys.exit(1 if differing else 0)
 
