@@ -120,7 +120,8 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
             recorder.on_round(completed)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, engine,
                         recorder, run_ids)
-    if fused:  # the last round's evaluation: its own exchange
+    if fused and engine.evaluation_pending():  # the last round's evaluation: its own exchange
+        # (none is pending when a finished run is resumed with no round left to run)
         log(INFO, "[round %d/%d] evaluating", last_round, last_round)
         recorder.on_round(engine.evaluate_round(grid, last_round, arrays))
         save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, engine,

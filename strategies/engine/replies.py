@@ -1,8 +1,10 @@
-"""Reading the replies of an exchange: the one validation path.
+"""Reading the replies of an exchange: the checks every reply goes through.
 
-``valid_replies`` checks each reply's envelope (``common.protocol.parse_reply``) and, where
-arrays are expected, their keys, shapes, dtypes and values against the method's wire spec; a
-reply that fails is dropped with its reason (log and ``dropped`` in results.json), a node that
+``valid_replies`` (evaluate, identify and a method's queries; a round's train exchange, which
+may carry an evaluation too, is read with the same stages by ``round_plan.read_round``)
+checks each reply's envelope (``common.protocol.parse_reply``) and, where arrays are
+expected, their keys, shapes, dtypes and values against the method's wire spec; a reply
+that fails is dropped with its reason (log and ``dropped`` in results.json), a node that
 did not reply in time likewise, and the round goes on with the rest, unless every reply failed
 in the same way (``stop_if_every_reply_failed``): then the run stops with that reason.
 """
@@ -81,8 +83,7 @@ def valid_replies(ledger: RoundLedger, nodes: NodeDirectory, server_round: int, 
     def drop(node_id: int, client_id: str, reason: str) -> None:
         ledger.drop(server_round, stage, node_id, client_id, reason)
 
-    note_presence(ledger, nodes, server_round if stage == "train" else None, batch, timeout,
-                  drop)
+    note_presence(ledger, nodes, None, batch, timeout, drop)
     read = [(node_id, reply, read_or_error(partial(read_reply, node_id, reply, metric_keys,
                                                    expected_arrays, max_examples)))
             for node_id, reply in batch.replies]
@@ -177,10 +178,9 @@ class ReplyCheck:
               expected_arrays: Callable[[ClientReply], ArraySpec] | None = None
               ) -> list[ClientReply]:
         """The replies of ``batch`` that pass validation (``metric_keys`` None: a query;
-        ``expected_arrays`` None: the reply must carry no arrays), with train and evaluate
-        example counts bounded by each client's first report (``robust.ExampleCounts``)."""
+        ``expected_arrays`` None: the reply must carry no arrays), with evaluate example
+        counts bounded by each client's first report (``robust.ExampleCounts``)."""
         valid = valid_replies(self.ledger, self.nodes, server_round, stage, batch,
                               metric_keys, self.settings.round_timeout, expected_arrays,
                               max_examples=self.settings.max_num_examples)
-        return (self.example_counts.bound(stage, valid) if stage in ("train", "evaluate")
-                else valid)
+        return self.example_counts.bound(stage, valid) if stage == "evaluate" else valid

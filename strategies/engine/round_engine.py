@@ -97,6 +97,12 @@ class RoundEngine(Generic[MethodSettingsT]):
         return {"node_to_client": {str(k): v for k, v in self.nodes.node_to_client.items()},
                 **self.rule.results_tables()}
 
+    def evaluation_pending(self) -> bool:
+        """Whether clients were drawn to evaluate a round and not asked yet (fused
+        evaluation: the last round's, asked by a final evaluate exchange; none after a
+        finished run's last checkpoint)."""
+        return self.evaluation.drawn is not None
+
     def set_message_config(self, config: dict[str, Any]) -> None:
         """Added to every train and evaluate message's config from now on (a resumed run's
         lineage: ``server_app/app.py``)."""

@@ -34,6 +34,7 @@ from common.protocol import (
     check_arrays,
     parse_reply,
 )
+from strategies.engine.accounting import RoundLedger
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import (
     ReplyCheck,
@@ -123,44 +124,56 @@ def train_update(reply: ClientReply, expected_arrays: Callable[[ClientReply], Ar
 
 def read_round(check: ReplyCheck, plan: RoundPlan, batch: Exchange,
                expected_arrays: Callable[[ClientReply], ArraySpec]) -> RoundReplies:
-    """Every reply of ``batch`` (the exchange ``plan`` sent) read once, in order: who replied
-    (a missing node dropped from each of its jobs); each train reply's envelope and train
-    update; the client id it claims (``admitted``: a reply speaks for its client once it
-    serves a job, its update or, for an evaluator, the evaluation its envelope carries; a
-    refusal drops it from each of its jobs); then its update and its evaluation, each
-    dropped on its own fault; the evaluate replies; example counts bounded by each client's
-    first report (``robust.ExampleCounts``)."""
+    """Every reply of ``batch`` (the exchange ``plan`` sent) read once, in order: the evaluate
+    replies; who replied to a train message (a missing node dropped from each of its jobs);
+    each train reply's envelope, then its train update and (an evaluator's) its evaluation;
+    the client id it claims (``admitted``), heard only from a reply that serves a job (one
+    that serves none is dropped from each job with that job's reason, its claim unheard, as
+    a reply that fails is); then each job it failed dropped on its own. Example counts are
+    bounded by each client's first report (``robust.ExampleCounts``)."""
     parts = batch.by_type()
     train = parts[MessageType.TRAIN]
-    ledger, settings = check.ledger, check.settings
+    ledger, nodes, settings = check.ledger, check.nodes, check.settings
+    evaluations = (check.valid(plan.evaluated, "evaluate", parts[MessageType.EVALUATE],
+                               EVALUATE_METRICS) if plan.evaluating_only() else [])
 
     def drop_jobs(node_id: int, client_id: str, reason: str) -> None:
         ledger.drop(plan.round, "train", node_id, client_id, reason)
         if node_id in plan.evaluators:
             ledger.drop(plan.evaluated, "evaluate", node_id, client_id, reason)
 
-    note_presence(ledger, check.nodes, plan.round, train, settings.round_timeout, drop_jobs)
-    read = []
+    note_presence(ledger, nodes, plan.round, train, settings.round_timeout, drop_jobs)
+    read, jobs = [], {}
     for node_id, reply in train.replies:
         envelope = read_or_error(partial(parse_reply, node_id, reply, (),
                                          settings.max_num_examples))
-        read.append((node_id, reply, envelope if node_id in plan.evaluators
-                     or isinstance(envelope, Exception)
-                     else read_or_error(partial(train_update, envelope, expected_arrays))))
+        if isinstance(envelope, ClientReply):
+            update = read_or_error(partial(train_update, envelope, expected_arrays))
+            evaluation = (read_or_error(partial(fused_evaluation, envelope))
+                          if node_id in plan.evaluators else None)
+            if not isinstance(update, ClientReply) and not isinstance(evaluation, ClientReply):
+                _drop_failed(ledger, plan, node_id, nodes.client_of(node_id)
+                             or envelope.client_id, update, evaluation)
+                continue
+            jobs[node_id] = (update, evaluation)
+        read.append((node_id, reply, envelope))
     updates, fused = [], []
-    for reply in admitted(check.nodes, plan.round, read, drop_jobs):
-        if reply.node_id not in plan.evaluators:
-            updates.append(reply)  # read in full above
-            continue
-        try:
-            updates.append(train_update(reply, expected_arrays))
-        except Exception as error:
-            ledger.drop(plan.round, "train", reply.node_id, reply.client_id, reason_of(error))
-        try:
-            fused.append(fused_evaluation(reply))
-        except ReplyError as error:
-            ledger.drop(plan.evaluated, "evaluate", reply.node_id, reply.client_id, str(error))
-    evaluations = (check.valid(plan.evaluated, "evaluate", parts[MessageType.EVALUATE],
-                               EVALUATE_METRICS) if plan.evaluating_only() else [])
+    for reply in admitted(nodes, plan.round, read, drop_jobs):
+        update, evaluation = jobs[reply.node_id]
+        if isinstance(update, ClientReply):
+            updates.append(update)
+        if isinstance(evaluation, ClientReply):
+            fused.append(evaluation)
+        _drop_failed(ledger, plan, reply.node_id, reply.client_id, update, evaluation)
     return RoundReplies(check.example_counts.bound("train", updates), evaluations,
                         check.example_counts.bound("evaluate", fused))
+
+
+def _drop_failed(ledger: RoundLedger, plan: RoundPlan, node_id: int, client_id: str,
+                 update: ClientReply | Exception, evaluation: ClientReply | Exception | None
+                 ) -> None:
+    """Each job a reply failed, dropped under its round and stage with its own reason."""
+    if isinstance(update, Exception):
+        ledger.drop(plan.round, "train", node_id, client_id, reason_of(update))
+    if isinstance(evaluation, Exception):
+        ledger.drop(plan.evaluated, "evaluate", node_id, client_id, reason_of(evaluation))

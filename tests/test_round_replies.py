@@ -1,0 +1,106 @@
+"""One round's exchange read once (``strategies/engine/round_plan.py: read_round``): each
+reply serves its jobs (a train update; an evaluator's evaluation of the last round), is
+dropped from each job it fails under that job's round, and speaks for its client id only
+when it serves one; and the loop (``server_app/rounds.py``) asks for an evaluation only
+when one is pending."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+
+from common.protocol import ARRAYS, CLIENT, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND
+from common.record import RoundRecord
+from server_app.results import ResultsRecorder
+from server_app.rounds import run_rounds
+from server_app.tracking import Tracking
+from strategies.engine import RoundEngine, RoundPlan
+from strategies.engine.exchange import Exchange
+from strategies.registry import REGISTRY, initial_state, load_settings
+from tests.conftest import app_config, make_client
+
+pytestmark = pytest.mark.usefixtures("server_task")
+
+
+def _engine() -> tuple[RoundEngine, ArrayRecord]:
+    settings = load_settings(app_config(method="fedavg"))
+    initial, wire = initial_state(settings)
+    return RoundEngine(settings, wire, REGISTRY["fedavg"].rule), initial
+
+
+def _train_reply(partition: int, arrays: ArrayRecord, arrays_ok: bool,
+                 evaluation: dict[str, float | int]) -> tuple[Message, Message]:
+    """Round 2's train message to partition ``partition``'s node and its reply: its honest
+    update (or one with a broken array) and ``evaluation`` (``eval-*`` metrics)."""
+    client = make_client(partition, app_config())
+    message = Message(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({SERVER_ROUND: 2})}),
+                      dst_node_id=client.context.node_id, message_type=MessageType.TRAIN)
+    uplink = client.shared_arrays(client.model(arrays), arrays, client.identity())
+    if not arrays_ok:
+        key = next(iter(uplink.keys()))
+        uplink[key] = Array(np.zeros((3, *uplink[key].numpy().shape), np.float32))
+    return message, Message(RecordDict({
+        ARRAYS: uplink, CLIENT: client.identity(),
+        METRICS: MetricRecord({NUM_EXAMPLES: 50, "train-loss": 1.0, **evaluation})}),
+        reply_to=message)
+
+
+EVALUATION = {"eval-accuracy": 0.5, "eval-num-examples": 20}
+
+
+def test_a_reply_speaks_for_its_client_only_when_it_serves_a_job():
+    """Node 100: broken arrays, no evaluation asked; 101: broken arrays, a valid evaluation;
+    102: broken arrays and no evaluation although asked; 103: honest, evaluating."""
+    engine, arrays = _engine()
+    exchanged = [_train_reply(0, arrays, False, {}), _train_reply(1, arrays, False, EVALUATION),
+                 _train_reply(2, arrays, False, {}), _train_reply(3, arrays, True, EVALUATION)]
+    sent = [m for m, _ in exchanged]
+    plan = RoundPlan(2, {m.metadata.dst_node_id: None for m in sent},
+                     {101: None, 102: None, 103: None}, 1)
+    read = engine.read(plan, Exchange(sent, [(m.metadata.dst_node_id, r)
+                                             for m, r in exchanged]))
+    assert [r.client_id for r in read.updates] == ["3"]
+    assert [r.client_id for r in read.fused_evaluations] == ["1", "3"]
+    assert engine.nodes.node_to_client == {101: "1", 103: "3"}  # 100 and 102 served nothing
+    train = {d["client"]: d["reason"] for d in engine.ledger.record(2).dropped}
+    assert sorted(train) == ["0", "1", "2"] and all("shape" in r for r in train.values())
+    evaluate = {d["client"]: d["reason"] for d in engine.ledger.record(1).dropped}
+    assert list(evaluate) == ["2"] and "eval-accuracy" in evaluate["2"]
+
+
+def test_a_missing_node_is_dropped_from_each_of_its_jobs_and_every_reply_counts_its_bytes():
+    engine, arrays = _engine()
+    (sent_0, reply_0), (sent_1, _) = (_train_reply(0, arrays, False, {}),
+                                      _train_reply(1, arrays, True, EVALUATION))
+    plan = RoundPlan(2, {100: None, 101: None}, {101: None}, 1)
+    read = engine.read(plan, Exchange([sent_0, sent_1], [(100, reply_0)]))
+    assert read.updates == [] and read.fused_evaluations == []
+    train = sorted((d["node"], d["reason"]) for d in engine.ledger.record(2).dropped)
+    assert [node for node, _ in train] == [100, 101] and "no reply" in train[1][1]
+    evaluate = engine.ledger.record(1).dropped
+    assert [(d["node"], d["stage"]) for d in evaluate] == [(101, "evaluate")]
+    # a dropped reply's arrays crossed the wire all the same
+    assert engine.ledger.record(2).bytes_up == reply_0.content[ARRAYS].count_bytes()
+
+
+def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp_path):
+    """Its last checkpoint holds no pending evaluation: the loop has nothing to run, and no
+    evaluate exchange is sent (this one has no Grid: sending would fail), so results.json
+    gets no second entry for the last round."""
+    engine, arrays = _engine()
+    assert engine.evaluation_pending() is False  # nothing drawn before round 1
+    recorder = ResultsRecorder(engine.settings, engine, tmp_path, Tracking([], tmp_path, {}))
+    recorder.rounds = [RoundRecord().entry(r, 1.0) for r in (1, 2, 3)]
+    assert run_rounds(None, engine, recorder, arrays, 4, 3, ["1"]) == (arrays, "")
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
+    engine.evaluation.draw({})  # drawn at the end of a round (fraction-evaluate = 0: nobody)
+    assert engine.evaluation_pending() is True
