@@ -71,23 +71,28 @@ def test_a_reply_speaks_for_its_client_only_when_it_serves_a_job():
     assert [r.client_id for r in read.updates] == ["3"]
     assert [r.client_id for r in read.fused_evaluations] == ["1", "3"]
     assert engine.nodes.node_to_client == {101: "1", 103: "3"}  # 100 and 102 served nothing
-    train = {d["client"]: d["reason"] for d in engine.ledger.record(2).dropped}
-    assert sorted(train) == ["0", "1", "2"] and all("shape" in r for r in train.values())
-    evaluate = {d["client"]: d["reason"] for d in engine.ledger.record(1).dropped}
-    assert list(evaluate) == ["2"] and "eval-accuracy" in evaluate["2"]
+    train = sorted((d["client"], d["reason"]) for d in engine.ledger.record(2).dropped)
+    assert [c for c, _ in train] == ["0", "1", "2"] and all("shape" in r for _, r in train)
+    evaluate = engine.ledger.record(1).dropped  # each job dropped once
+    assert [d["client"] for d in evaluate] == ["2"] and "eval-accuracy" in evaluate[0]["reason"]
 
 
 def test_a_missing_node_is_dropped_from_each_of_its_jobs_and_every_reply_counts_its_bytes():
+    """Node 100 trains (broken arrays), 101 trains and evaluates, 102 only evaluates (an
+    evaluate message in the same exchange); 101 and 102 do not reply."""
     engine, arrays = _engine()
     (sent_0, reply_0), (sent_1, _) = (_train_reply(0, arrays, False, {}),
                                       _train_reply(1, arrays, True, EVALUATION))
-    plan = RoundPlan(2, {100: None, 101: None}, {101: None}, 1)
-    read = engine.read(plan, Exchange([sent_0, sent_1], [(100, reply_0)]))
-    assert read.updates == [] and read.fused_evaluations == []
+    sent_2 = Message(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
+                     dst_node_id=102, message_type=MessageType.EVALUATE)
+    plan = RoundPlan(2, {100: None, 101: None}, {101: None, 102: None}, 1)
+    read = engine.read(plan, Exchange([sent_0, sent_1, sent_2], [(100, reply_0)]))
+    assert read.updates == read.fused_evaluations == read.evaluations == []
     train = sorted((d["node"], d["reason"]) for d in engine.ledger.record(2).dropped)
     assert [node for node, _ in train] == [100, 101] and "no reply" in train[1][1]
+    # round 1's evaluation: the evaluate-only node first, then the evaluating trainer
     evaluate = engine.ledger.record(1).dropped
-    assert [(d["node"], d["stage"]) for d in evaluate] == [(101, "evaluate")]
+    assert [(d["node"], d["stage"]) for d in evaluate] == [(102, "evaluate"), (101, "evaluate")]
     # a dropped reply's arrays crossed the wire all the same
     assert engine.ledger.record(2).bytes_up == reply_0.content[ARRAYS].count_bytes()
 
@@ -102,5 +107,10 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
     recorder.rounds = [RoundRecord().entry(r, 1.0) for r in (1, 2, 3)]
     assert run_rounds(None, engine, recorder, arrays, 4, 3, ["1"]) == (arrays, "")
     assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
-    engine.evaluation.draw({})  # drawn at the end of a round (fraction-evaluate = 0: nobody)
+    # a checkpoint taken after round 3's training, before its evaluation: it is asked now
+    # (drawn here with nobody in it, fraction-evaluate = 0, so no Grid is needed)
+    engine.evaluation.draw({})
     assert engine.evaluation_pending() is True
+    run_rounds(None, engine, recorder, arrays, 4, 3, ["1"])
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 3]
+    assert engine.evaluation_pending() is False

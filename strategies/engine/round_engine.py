@@ -14,9 +14,10 @@ loop, with checkpoints, is ``server_app/rounds.py``):
    evaluation the plan's evaluators that train evaluate first, the others get an evaluate
    message in the same exchange;
 4. **exchange**: send and wait (``round-timeout``, ``max-in-flight``);
-5. **read** every reply once (``round_plan.read_round``): its envelope and identity, then
-   its train update (arrays against the wire spec) and its evaluation, each dropped with its
-   reason on its own fault; record the evaluated round's scores (``PendingEvaluation``: that
+5. **read** every reply once (``round_plan.read_round``): its envelope, then its train
+   update (arrays against the wire spec) and its evaluation, then the client id it claims
+   (heard only from a reply that serves a job), each job dropped with its reason on its own
+   fault; record the evaluated round's scores (``PendingEvaluation``: that
    round's record is now complete); stop the run if every reply failed the same way;
 6. **merge** (the rule's ``merge_updates``; under central DP its mean is the noised one of
    ``PrivacyLedger.merge``) and record the round (``RoundLedger``: bytes, CPU, drops, loss;

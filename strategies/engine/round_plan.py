@@ -4,11 +4,12 @@ A round's exchange can carry two jobs: training round ``r``, and (fused evaluati
 evaluation of round ``r - 1`` by the clients drawn for it at the end of that round
 (``evaluation.PendingEvaluation``). The ``RoundPlan`` fixes both before anything is sent:
 who trains, who evaluates, and which round they evaluate. ``read_round`` then reads every
-reply once (its envelope and the client id its node claims) and splits it into the jobs it
-serves: a train update (its arrays checked against the wire spec) and an evaluation (the
-``eval-*`` metrics a train reply carries, or an evaluate reply). A reply is dropped for each
-job it fails, under that job's round and stage: a train reply dropped for its arrays still
-counts for the evaluation, as it would in the two-exchange protocol.
+reply once (its envelope; the client id its node claims, only when the reply serves a job)
+and splits it into the jobs it serves: a train update (its arrays checked against the wire
+spec) and an evaluation (the ``eval-*`` metrics a train reply carries, or an evaluate
+reply). A reply is dropped for each job it fails, under that job's round and stage: a train
+reply dropped for its arrays still counts for the evaluation, as it would in the
+two-exchange protocol.
 """
 
 from __future__ import annotations
@@ -127,10 +128,10 @@ def read_round(check: ReplyCheck, plan: RoundPlan, batch: Exchange,
     """Every reply of ``batch`` (the exchange ``plan`` sent) read once, in order: the evaluate
     replies; who replied to a train message (a missing node dropped from each of its jobs);
     each train reply's envelope, then its train update and (an evaluator's) its evaluation;
-    the client id it claims (``admitted``), heard only from a reply that serves a job (one
-    that serves none is dropped from each job with that job's reason, its claim unheard, as
-    a reply that fails is); then each job it failed dropped on its own. Example counts are
-    bounded by each client's first report (``robust.ExampleCounts``)."""
+    the client id it claims (``admitted``), heard only from a reply that serves a job: one
+    that serves none is dropped from each job with that job's own reason and binds nothing;
+    then each job an admitted reply failed, dropped on its own. Example counts are bounded
+    by each client's first report (``robust.ExampleCounts``)."""
     parts = batch.by_type()
     train = parts[MessageType.TRAIN]
     ledger, nodes, settings = check.ledger, check.nodes, check.settings
