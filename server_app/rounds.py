@@ -64,7 +64,8 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
 
 def check_resumable(checkpoint: dict[str, Any], run_config: dict[str, Any]) -> None:
     """Refuse to continue a checkpoint made with another method or run config (keys outside
-    ``RESUMABLE_KEYS``): one ``ConfigError`` line naming the differing keys."""
+    ``RESUMABLE_KEYS``), or past the run's ``num-server-rounds``: one ``ConfigError`` line
+    naming the differing keys, or the rounds."""
     saved = dict(checkpoint.get("config", {}))
     saved.setdefault("method", checkpoint.get("method"))
     differing = sorted(k for k in set(saved) | set(run_config)
@@ -74,6 +75,10 @@ def check_resumable(checkpoint: dict[str, Any], run_config: dict[str, Any]) -> N
                             for k in differing)
         raise ConfigError(f"resume-from: the checkpoint was made with a different run "
                           f"config: {changes}")
+    rounds, done = run_config.get("num-server-rounds", 0), checkpoint.get("round", 0)
+    if rounds < done:  # its rounds after num-server-rounds would be evaluated again
+        raise ConfigError(f"resume-from: the checkpoint is at round {done}, past "
+                          f"num-server-rounds={rounds}")
 
 
 def resume(checkpoint: dict[str, Any], engine: RoundEngine,

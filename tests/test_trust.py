@@ -344,6 +344,8 @@ def test_a_resume_with_another_run_config_is_refused_naming_the_keys():
         check_resumable(checkpoint, {**app_config(), "seed": 7, "dataset": "mnist"})
     message = str(error.value)
     assert "dataset ('digits' -> 'mnist'), seed (42 -> 7)" in message and "\n" not in message
+    with pytest.raises(ConfigError, match="checkpoint is at round 5, past num-server-rounds=4"):
+        check_resumable({**checkpoint, "round": 5}, {**app_config(), "num-server-rounds": 4})
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
