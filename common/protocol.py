@@ -190,6 +190,14 @@ def _check_identity(info: ConfigRecord) -> str:
     return client_id
 
 
+def require_metrics(metrics: MetricRecord, keys: tuple[str, ...]) -> None:
+    """Raise ``ReplyError`` naming the ``keys`` that ``metrics`` lacks (their values are
+    checked with every metric, ``parse_reply``)."""
+    missing = [k for k in keys if k not in metrics]
+    if missing:
+        raise ReplyError(f"metrics lack {missing}")
+
+
 def parse_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
                 max_examples: int | None = None) -> ClientReply:
     """Check a reply's envelope: not an error; a ``client`` record with a safe client id and
@@ -208,9 +216,8 @@ def parse_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | Non
     if metrics is None and metric_keys is not None:
         raise ReplyError(f"no MetricRecord {METRICS!r}")
     metrics = metrics if metrics is not None else MetricRecord()
-    missing = [k for k in (NUM_EXAMPLES, *(metric_keys or ())) if k not in metrics]
-    if missing and (metric_keys is not None or len(metrics) > 0):
-        raise ReplyError(f"metrics lack {missing}")
+    if metric_keys is not None or len(metrics) > 0:
+        require_metrics(metrics, (NUM_EXAMPLES, *(metric_keys or ())))
     for name, value in metrics.items():
         _finite_number(name, value)
     if NUM_EXAMPLES in metrics:

@@ -4,7 +4,7 @@ and method extras, all kept by one ledger."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from logging import WARNING
 from typing import Any
@@ -35,7 +35,7 @@ class RoundLedger:
         finally:
             self.record(server_round).add_cpu("server", time.process_time() - started)
 
-    def client_cpu(self, server_round: int, stage: str, replies: list[ClientReply],
+    def client_cpu(self, server_round: int, stage: str, replies: Sequence[ClientReply],
                    cpu_metric: str = "cpu-seconds") -> None:
         """The clients' own CPU time (their ``cpu_metric``), and their ``seconds-<phase>``
         wall times (not for fused evaluations: those are the train message's), summed per

@@ -23,6 +23,7 @@ exchange).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 from logging import INFO, WARNING
 from typing import Any
@@ -78,14 +79,13 @@ class PendingEvaluation:
 
     # ------------------------------------------------------------------ replies and record
     def record_replies(self, server_round: int, evaluations: list[ClientReply],
-                       fused: list[ClientReply] | None = None) -> None:
+                       fused: Sequence[ClientReply] = ()) -> None:
         """Round ``server_round``'s evaluation from its valid evaluate replies and the valid
         evaluations train replies carried (``round_plan.fused_evaluation``): the clients' CPU
         time, then the statistics (``record``), in client order."""
         self.ledger.client_cpu(server_round, "evaluate", evaluations)
-        if fused is not None:
-            self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
-        replies = sorted(evaluations + (fused or []), key=lambda r: client_order(r.client_id))
+        self.ledger.client_cpu(server_round, "evaluate", fused, cpu_metric=EVAL_CPU)
+        replies = sorted([*evaluations, *fused], key=lambda r: client_order(r.client_id))
         self.record(server_round, scores_of(replies), task_accuracies_of(replies))
 
     def record(self, server_round: int, scores: dict[str, tuple[float, int]],

@@ -12,6 +12,7 @@ in the same way (``stop_if_every_reply_failed``): then the run stops with that r
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 from flwr.app import Message
@@ -154,12 +155,19 @@ def admitted(nodes: NodeDirectory, server_round: int,
 def read_reply(node_id: int, reply: Message, metric_keys: tuple[str, ...] | None,
                expected_arrays: Callable[[ClientReply], ArraySpec] | None,
                max_examples: int | None) -> ClientReply:
-    """One reply checked: its envelope (``parse_reply``), then its arrays against what the
-    method expects of it (the decoded, checked values replace the received ones)."""
-    checked = parse_reply(node_id, reply, metric_keys, max_examples)
-    checked.arrays = check_arrays(checked.arrays, expected_arrays(checked)
-                                  if expected_arrays is not None else {})
-    return checked
+    """One reply checked: its envelope (``parse_reply``), then its arrays
+    (``with_checked_arrays``)."""
+    return with_checked_arrays(parse_reply(node_id, reply, metric_keys, max_examples),
+                               expected_arrays)
+
+
+def with_checked_arrays(reply: ClientReply,
+                        expected_arrays: Callable[[ClientReply], ArraySpec] | None
+                        ) -> ClientReply:
+    """``reply`` with its arrays checked against what the method expects of it (None: it
+    must carry none); the decoded, checked values replace the received ones."""
+    return replace(reply, arrays=check_arrays(reply.arrays, expected_arrays(reply)
+                                              if expected_arrays is not None else {}))
 
 
 class ReplyCheck:

@@ -15,7 +15,7 @@ two-exchange protocol.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 from flwr.app import ArrayRecord, MessageType, MetricRecord
@@ -32,8 +32,8 @@ from common.protocol import (
     ArraySpec,
     ClientReply,
     ReplyError,
-    check_arrays,
     parse_reply,
+    require_metrics,
 )
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.exchange import Exchange
@@ -43,6 +43,7 @@ from strategies.engine.replies import (
     note_presence,
     read_or_error,
     reason_of,
+    with_checked_arrays,
 )
 
 Drawn = dict[int, str | None]
@@ -115,12 +116,9 @@ def fused_evaluation(reply: ClientReply) -> ClientReply:
 def train_update(reply: ClientReply, expected_arrays: Callable[[ClientReply], ArraySpec]
                  ) -> ClientReply:
     """The train update a reply carries: its train metrics present, its arrays checked
-    against what the method expects of it (the decoded, checked values replace the received
-    ones). Raises on the first fault."""
-    missing = [k for k in TRAIN_METRICS if k not in reply.metrics]
-    if missing:
-        raise ReplyError(f"metrics lack {missing}")
-    return replace(reply, arrays=check_arrays(reply.arrays, expected_arrays(reply)))
+    (``replies.with_checked_arrays``). Raises on the first fault."""
+    require_metrics(reply.metrics, TRAIN_METRICS)
+    return with_checked_arrays(reply, expected_arrays)
 
 
 def read_round(check: ReplyCheck, plan: RoundPlan, batch: Exchange,
