@@ -82,7 +82,11 @@ class LocalDeployment(LocalFederation):
     SuperNodes' ``flwr-clientapp`` processes (one per message) and the SuperLink's
     ``flwr-serverapp`` are forked warm from it (in a site's namespace, with ``namespaces``).
     ``supernode``: the command a site runs, ``flower-supernode`` or ``pflower-supernode``
-    (each site with a fork server of its own, as on a real device: ``launch/site.py``)."""
+    (each site with a fork server of its own, as on a real device: ``launch/site.py``).
+    ``database``: the SuperLink's SQLite file in ``home``, as the README's recipe and the
+    compose file keep it (it outlives a SuperLink restart); None: Flower's in-memory state,
+    which serves the same runs for a third of the SuperLink's CPU (tests that never
+    restart their SuperLink)."""
 
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
                  home: str | Path | None = None, namespaces: bool = False,
@@ -90,7 +94,8 @@ class LocalDeployment(LocalFederation):
                  client_ids: dict[int, str] | None = None,
                  start_sites: list[int] | None = None, site_threads: int | None = None,
                  poll_interval: float = 0.2, forkserver: ForkServer | None = None,
-                 supernode: str = "flower-supernode") -> None:
+                 supernode: str = "flower-supernode", database: str | None = "state.db"
+                 ) -> None:
         super().__init__(home, forkserver=forkserver)
         if supernode_auth and not certs_dir:
             raise ValueError("SuperNode authentication needs TLS (certs_dir)")
@@ -103,6 +108,7 @@ class LocalDeployment(LocalFederation):
         self.site_threads = (max(1, (os.cpu_count() or 1) // num_sites)
                              if site_threads is None else site_threads)
         self.poll_interval = poll_interval
+        self.database = database
         self.supernode = supernode
         self.site_ports = [free_port() for _ in range(num_sites)]
         self.sites: dict[int, subprocess.Popen] = {}
@@ -178,7 +184,8 @@ class LocalDeployment(LocalFederation):
         self.process = self._spawn(
             ["flower-superlink", *security, "--host",
              "0.0.0.0" if self.namespaces else "127.0.0.1", "--port",
-             str(self.http_port), "--database", str(self.home / "state.db"),
+             str(self.http_port),
+             *(["--database", str(self.home / self.database)] if self.database else []),
              "--disable-runtime-dependency-installation",
              *(["--enable-supernode-auth"] if self.supernode_auth else [])], "superlink.log")
         self._wait_healthy()

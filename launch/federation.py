@@ -46,7 +46,6 @@ from launch.run_config import check_run_config, parse_overrides
 from launch.run_output import RAY_GPU_TIP, save_run_log
 from launch.warm_start import ForkServer
 
-SUPEREXEC_POLL_SECONDS = 0.1
 STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
 STREAM_GRACE_SECONDS = 10.0  # for a finished run's last lines (the stream's 0.5 s tick)
 # Flower's words before the ServerApp's exception in a failed run's status details
@@ -120,10 +119,7 @@ class LocalFederation:
                 "FLWR_DISABLE_UPDATE_CHECK": "1",
                 "FLWR_TELEMETRY_ENABLED": "0",
                 "RAY_DEDUP_LOGS": "0",
-                "PYTHONUNBUFFERED": "1",
-                # how soon the SuperLink's SuperExec starts a submitted run's process
-                # (Flower's default: within 1 s); a deployment sets its own
-                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(SUPEREXEC_POLL_SECONDS)}
+                "PYTHONUNBUFFERED": "1"}
 
     def __enter__(self) -> LocalFederation:
         if threading.current_thread() is threading.main_thread():
@@ -310,20 +306,22 @@ class LocalFederation:
 
 @contextlib.contextmanager
 def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServer | None = None,
-                    ray_address: str | None = None) -> Iterator[LocalFederation]:
+                    ray_address: str | None = None, ray_cpus: int | None = None
+                    ) -> Iterator[LocalFederation]:
     """A private SuperLink whose runs join one Ray cluster kept up between them (a Ray head of
     its own, or the one at ``ray_address``), their ``flwr-simulation`` processes forked from a
     fork server (``forkserver``, or one of its own): one run after another skips Ray's start
     and Flower's imports (warm runs). The fork server and the Ray head start in threads
     while the SuperLink starts; what it started is stopped on exit. ``pythonpath``: as for
-    ``LocalFederation``.
+    ``LocalFederation``. ``ray_cpus``: the CPUs the Ray head of its own offers (default: the
+    machine's), so the number of ClientApp actors a run starts in workers of its own.
 
     Not for one run: there a Ray head's start and stop cost more than the private Ray
     instance Flower starts inside the run, and the fork server's imports, on 2 busy cores,
     as much as those it saves (measured on the demo: no faster)."""
     with contextlib.ExitStack() as started:
         forks = forkserver or ForkServer()
-        head = RayHead() if ray_address is None else None
+        head = RayHead(num_cpus=ray_cpus) if ray_address is None else None
         federation = LocalFederation(ray_address=ray_address, ray_head=head,
                                      pythonpath=pythonpath, forkserver=forks)
         # started here, beside the SuperLink: the ones this call owns

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"method": "fedper", "num-server-rounds": 2, "local-epochs": 1, "min-nodes": 3,
           "plot": False, "round-timeout": 120.0}
+# The deployments below keep the SuperLink's state in memory (``database=None``): none
+# restarts its SuperLink, and SQLite costs it three times the CPU. The README's recipe, run
+# as written at the end, keeps its database file, as compose does.
 
 
 def _check(run, out: Path, tmp: Path, deployment: LocalDeployment) -> None:
@@ -59,7 +62,8 @@ def test_a_killed_supernode_is_recorded_and_restarts_with_its_state(tmp_path, fo
     # evaluated, which the assertions below compare with its state after the restart
     config = {**CONFIG, "method": "local", "num-server-rounds": 5, "min-nodes": 2,
               "round-timeout": timeout, "output-dir": str(out), "fused-evaluation": False}
-    with LocalDeployment(3, home=tmp_path / "home", forkserver=forkserver) as deployment:
+    with LocalDeployment(3, home=tmp_path / "home", forkserver=forkserver,
+                         database=None) as deployment:
         runner, result = run_in_background(deployment, config)
         wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)
         deployment.kill_site(2)                       # SIGKILL, mid-run
@@ -103,7 +107,7 @@ def test_an_insecure_deployment_runs_and_a_stopped_run_resumes_to_the_same_resul
     base = {**CONFIG, "num-server-rounds": 3, "min-nodes": 2}
     full, stopped, resumed = tmp_path / "full", tmp_path / "stopped", tmp_path / "resumed"
     with LocalDeployment(2, home=tmp_path / "home", namespaces=NAMESPACES,
-                         forkserver=forkserver) as deployment:
+                         forkserver=forkserver, database=None) as deployment:
         uninterrupted = deployment.run(ROOT, {**base, "output-dir": str(full)})
         _check(uninterrupted, full, tmp_path, deployment)
         if NAMESPACES:  # checked once the SuperNodes have served (``ip netns exec`` has
@@ -162,7 +166,8 @@ def test_tls_with_node_authentication_a_node_cannot_claim_another_sites_id(tmp_p
     subprocess.run(["bash", str(ROOT / "deploy" / "make-certs.sh"), str(certs)], check=True,
                    capture_output=True)
     with LocalDeployment(4, certs_dir=certs, home=tmp_path / "home", supernode_auth=True,
-                         client_ids={3: "site-0"}, forkserver=forkserver) as deployment:
+                         client_ids={3: "site-0"}, forkserver=forkserver,
+                         database=None) as deployment:
         out = tmp_path / "out"
         run = deployment.run(ROOT, {**CONFIG, "min-nodes": 4, "output-dir": str(out),
                                     "identity.require-registered": True})
@@ -178,7 +183,8 @@ def test_without_authentication_a_second_live_node_cannot_take_an_id(tmp_path, f
     node claiming site-0 is refused instead of evicting it."""
     out = tmp_path / "out"
     with LocalDeployment(4, home=tmp_path / "home", client_ids={3: "site-0"},
-                         start_sites=[0, 1, 2], forkserver=forkserver) as deployment:
+                         start_sites=[0, 1, 2], forkserver=forkserver,
+                         database=None) as deployment:
         runner, result = run_in_background(deployment, {**CONFIG, "num-server-rounds": 3,
                                                      "output-dir": str(out)})
         wait_for(lambda: _rounds_done(out) >= 1, 900, poll=0.2)

@@ -28,7 +28,7 @@ CONFIG = {"device": "cuda", "num-server-rounds": 2, "local-epochs": 2, "min-node
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    with LocalDeployment(2, home=tmp_path_factory.mktemp("home")) as running:
+    with LocalDeployment(2, home=tmp_path_factory.mktemp("home"), database=None) as running:
         yield running
 
 

@@ -40,7 +40,7 @@ def test_a_warm_site_forks_each_clientapp_runs_the_app_it_was_given_and_outlives
     app = tmp_path / "floor"
     shutil.copytree(FLOOR_APP, app)
     with LocalDeployment(SITES, home=tmp_path / "home",
-                         supernode="pflower-supernode") as deployment:
+                         supernode="pflower-supernode", database=None) as deployment:
         first = _replies(deployment, app, tmp_path / "first")
         assert [len(r) for r in first] == [SITES, SITES]
         parents = {reply["parent"] for rounds in first for reply in rounds}

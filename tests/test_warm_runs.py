@@ -82,12 +82,13 @@ def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(fed
                           forks.process.pid)
     assert "ok" in seen, seen
     assert "flwr-simulation" in seen  # the run's process was forked warm
+    cpus = head.num_cpus or os.cpu_count() or 1  # what the head offers
     deadline, primed, last = time.monotonic() + 60, set(), None
-    while time.monotonic() < deadline and (len(primed) < (os.cpu_count() or 1)
+    while time.monotonic() < deadline and (len(primed) < cpus
                                            or primed != last):  # settled: the same twice
         time.sleep(0.5)
         last, primed = primed, _primed_workers(head)
-    assert len(primed) >= (os.cpu_count() or 1), primed  # one per CPU, PyTorch imported
+    assert len(primed) >= cpus, primed  # one per CPU, PyTorch imported
     titles: dict[int, set[bytes]] = {pid: set() for pid in primed}
 
     def look() -> None:  # what each primed worker runs while the next run is under way
