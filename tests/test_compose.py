@@ -22,7 +22,7 @@ from tests.conftest import read_results, run_in_background, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.compose, pytest.mark.xdist_group("docker")]
 ROOT = Path(__file__).resolve().parents[1]
 SITES = ["site-0", "site-1", "site-2"]
-CONFIG = {"method": "fedper", "dataset": "digits", "num-server-rounds": 3, "local-epochs": 1,
+CONFIG = {"method": "fedper", "dataset": "digits", "num-server-rounds": 2, "local-epochs": 1,
           "min-nodes": 3, "plot": False, "round-timeout": 300.0}
 
 
@@ -51,7 +51,7 @@ def test_insecure_profile_runs_survives_a_killed_site_and_resumes_after_down(tmp
         first = stack.run(ROOT, {**CONFIG, "output-dir": "outputs/first"})
         assert first.ok, first.output[-3000:]
         out = stack.output("first")  # on the host: the outputs volume
-        _check_all_sites(read_results(out), [1, 2, 3])
+        _check_all_sites(read_results(out), [1, 2])
         for i, site in enumerate(SITES):
             assert (stack.dir / "sites" / f"site-{i}" / "state" / f"{site}.pt").exists()
 
@@ -64,9 +64,9 @@ def test_insecure_profile_runs_survives_a_killed_site_and_resumes_after_down(tmp
 
         resumed = stack.output("resumed")
         runner, result = run_in_background(stack, {
-            **CONFIG, "num-server-rounds": 6, "min-nodes": 2, "round-timeout": 240.0,
+            **CONFIG, "num-server-rounds": 5, "min-nodes": 2, "round-timeout": 240.0,
             "output-dir": "outputs/resumed", "resume-from": "outputs/first"})
-        wait_for(lambda: not runner.is_alive() or "[round 4/6]" in stack.server_log(), 900,
+        wait_for(lambda: not runner.is_alive() or "[round 3/5]" in stack.server_log(), 900,
                  poll=2)
         assert runner.is_alive(), result["run"].output[-3000:]
         stack.kill("supernode-2")                     # SIGKILL, mid-round
@@ -76,14 +76,14 @@ def test_insecure_profile_runs_survives_a_killed_site_and_resumes_after_down(tmp
         runner.join(1800)
         run = result["run"]
         assert run.ok, run.output[-3000:]
-        assert "[resume] from round 3" in run.output
+        assert "[resume] from round 2" in run.output
         rounds = {r["round"]: r for r in read_results(resumed)["rounds"]}
-        assert sorted(rounds) == [1, 2, 3, 4, 5, 6]
-        dropped = [d for d in rounds[4].get("dropped", []) if d["client"] == "site-2"]
-        assert dropped and all(d["reason"] for d in dropped), rounds[4]
+        assert sorted(rounds) == [1, 2, 3, 4, 5]
+        dropped = [d for d in rounds[3].get("dropped", []) if d["client"] == "site-2"]
+        assert dropped and all(d["reason"] for d in dropped), rounds[3]
         # the restarted site came back: evaluated on rejoining, then in the last round
-        assert any("site-2" in r.get("rejoined", {}) for n, r in rounds.items() if n > 4)
-        assert sorted(rounds[6]["eval"]["per_client"]) == SITES, rounds[6]
+        assert any("site-2" in r.get("rejoined", {}) for n, r in rounds.items() if n > 3)
+        assert sorted(rounds[5]["eval"]["per_client"]) == SITES, rounds[5]
         # ... with its personal state read back from its volume
         assert "client site-2: restored personal state" in stack.logs(
             "superexec-clientapp-2", since=restarted)
@@ -118,7 +118,7 @@ def test_tls_profile_authenticates_supernodes(tmp_path):
         assert "[/v1/fleet/activate-node][ApiError:2004]" in link.stdout + link.stderr
 
         # two rounds: the second carries the first's evaluation over the authenticated links
-        run = stack.run(ROOT, {**CONFIG, "num-server-rounds": 2, "output-dir": "outputs/tls"})
+        run = stack.run(ROOT, {**CONFIG, "output-dir": "outputs/tls"})
         assert run.ok, run.output[-3000:]
         _check_all_sites(read_results(stack.output("tls")), [1, 2])
         assert "insecure" not in (stack.home / "config.toml").read_text()
