@@ -22,12 +22,16 @@ DEMO = ROOT / "scripts" / "demo.sh"
 
 
 def demo(*overrides: str, supernodes: int = 10, env: dict[str, str] | None = None,
-         timeout: float = 300) -> tuple[subprocess.CompletedProcess, float, float]:
+         timeout: float = 300, ray_address: str | None = None
+         ) -> tuple[subprocess.CompletedProcess, float, float]:
     """``bash scripts/demo.sh OVERRIDES`` as a user types it; (the process, its wall seconds,
-    the CPU seconds it and the processes it waited for used)."""
+    the CPU seconds it and the processes it waited for used). ``ray_address``: its clients
+    run on that Ray cluster (``--ray-address``), which saves the run a Ray start of its own;
+    not for a test that gives the clients an environment (a cluster's workers keep theirs)."""
     started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(["bash", str(DEMO), *overrides], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT,
+    joined = ["--ray-address", ray_address] if ray_address else []
+    done = subprocess.run(["bash", str(DEMO), *joined, *overrides], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "SUPERNODES": str(supernodes), **(env or {})})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -169,11 +173,11 @@ def _app_failing(tmp: Path, fail: str) -> Path:
 
 
 @pytest.mark.integration
-def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
+def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path, federation):
     out = tmp_path / "out"
     done, _, _ = demo("--app", str(_app_failing(tmp_path, "all")), "num-server-rounds=6",
                    "local-epochs=1", "plot=false", "tracking=mlflow", f"output-dir={out}",
-                   supernodes=3)
+                   supernodes=3, ray_address=federation.ray_address)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     reason = ("training of round 3: all 3 clients that replied failed: OSError: the disk of "
               "this site is full")
@@ -205,11 +209,13 @@ def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path):
 
 
 @pytest.mark.integration
-def test_one_client_failing_every_round_is_dropped_and_the_run_completes(tmp_path):
+def test_one_client_failing_every_round_is_dropped_and_the_run_completes(tmp_path,
+                                                                        federation):
     out = tmp_path / "out"
     done, _, _ = demo("--app", str(_app_failing(tmp_path, "one")), "num-server-rounds=2",
                    "local-epochs=1", "plot=false", "method=fedper", f"output-dir={out}",
-                   "fused-evaluation=false", supernodes=3)  # its evaluations: on their own
+                   "fused-evaluation=false", supernodes=3,  # its evaluations: on their own
+                   ray_address=federation.ray_address)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].endswith("finished:completed")
     assert done.stdout.strip().splitlines()[-2] == f"full log: {out / 'flower.log'}"
