@@ -84,9 +84,8 @@ class LocalDeployment(LocalFederation):
     ``supernode``: the command a site runs, ``flower-supernode`` or ``pflower-supernode``
     (each site with a fork server of its own, as on a real device: ``launch/site.py``).
     ``database``: the SuperLink's SQLite file in ``home``, as the README's recipe and the
-    compose file keep it (it outlives a SuperLink restart); None: Flower's in-memory state,
-    which serves the same runs for a third of the SuperLink's CPU (tests that never
-    restart their SuperLink)."""
+    compose file keep theirs (the benchmarks measure that); None: Flower's in-memory state,
+    which serves the same runs for a third of the SuperLink's CPU (the tests)."""
 
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
                  home: str | Path | None = None, namespaces: bool = False,
