@@ -95,7 +95,9 @@ class LocalDeployment(LocalFederation):
                  poll_interval: float = 0.2, forkserver: ForkServer | None = None,
                  supernode: str = "flower-supernode", database: str | None = "state.db"
                  ) -> None:
-        super().__init__(home, forkserver=forkserver)
+        # the SuperExecs a SuperNode starts look for new work (each message's ClientApp)
+        # every second by default
+        super().__init__(home, forkserver=forkserver, superexec_poll_seconds=poll_interval)
         if supernode_auth and not certs_dir:
             raise ValueError("SuperNode authentication needs TLS (certs_dir)")
         self.num_sites = num_sites
@@ -106,7 +108,6 @@ class LocalDeployment(LocalFederation):
         self.start_sites = list(range(num_sites)) if start_sites is None else start_sites
         self.site_threads = (max(1, (os.cpu_count() or 1) // num_sites)
                              if site_threads is None else site_threads)
-        self.poll_interval = poll_interval
         self.database = database
         self.supernode = supernode
         self.site_ports = [free_port() for _ in range(num_sites)]
@@ -152,12 +153,8 @@ class LocalDeployment(LocalFederation):
     def _spawn(self, command: list[str], log_name: str,
                env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.home / log_name, "ab")  # noqa: SIM115 (outlives this call)
-        # the SuperExec a SuperNode starts looks for new work (each message's ClientApp)
-        # every second by default
-        env = {**self.env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(self.poll_interval),
-               **(env or {})}
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(command, env={**self.env, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def state_dir(self, site: int) -> Path:
         return self.home / f"site-{site}-state"

@@ -37,7 +37,10 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 class ComposeStack(LocalFederation):
     def __init__(self, profile: str, base: Path) -> None:
-        super().__init__(base / "flwr-home")
+        # the SuperExecs poll at Flower's 1 s, not the compose file's 0.2 s: the TLS test
+        # then costs 150 s of CPU instead of 173 (containers and host), each round a second
+        # longer at most
+        super().__init__(base / "flwr-home", superexec_poll_seconds=1.0)
         self.profile = profile
         self.dir = base / "deploy"        # PFLOWER_DIR: state, outputs, sites, certs, keys
         self.port = free_port()
@@ -46,12 +49,8 @@ class ComposeStack(LocalFederation):
 
     @property
     def env(self) -> dict[str, str]:
-        # the SuperExecs poll at Flower's 1 s, not the compose file's 0.2 s: the TLS test
-        # then costs 150 s of CPU instead of 173 (containers and host), each round a second
-        # longer at most
         return {**super().env, "PFLOWER_DIR": str(self.dir), "PFLOWER_PORT": str(self.port),
-                "COMPOSE_PROJECT_NAME": self.project, "PYTHON": sys.executable,
-                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "1.0"}
+                "COMPOSE_PROJECT_NAME": self.project, "PYTHON": sys.executable}
 
     def _up(self, step: str, timeout: float) -> subprocess.CompletedProcess:
         with open(self.log, "a") as log:
