@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import threading
 import time
@@ -17,6 +18,15 @@ from launch.app_project import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation, warm_federation
 from launch.warm_start import ForkServer
 from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest hook)
+
+# One PyTorch thread per process, unless the environment says otherwise: the suite runs its
+# pytest workers and every process of their federations on the same few cores, and PyTorch's
+# default (a thread per core in each process) oversubscribes them; OpenMP's waiting threads
+# then spin on CPU the others need (the unit tier beside a busy machine, 3 workers on 2
+# cores: 382 s of CPU with the default, 187 s with one thread). Subprocesses inherit it.
+THREADS = os.environ.setdefault("OMP_NUM_THREADS", "1")
+if THREADS.isdigit() and int(THREADS) > 0:
+    torch.set_num_threads(int(THREADS))
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_PACKAGES = app_packages(ROOT)
