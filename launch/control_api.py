@@ -82,6 +82,17 @@ def finished(control: Any, run_id: str) -> bool:
     return run is not None and run["status"].startswith("finished")
 
 
+def run_log(control: Any, run_id: str) -> str:
+    """What the run has logged so far, as ``flwr log RUN_ID --show`` prints it: the first
+    answer of ``StreamLogs`` from the start (the SuperLink sends all it has, then follows)."""
+    from flwr.proto.control_pb2 import StreamLogsRequest
+
+    for response in control.StreamLogs(StreamLogsRequest(run_id=int(run_id),
+                                                         after_timestamp=0.0)):
+        return response.log_output
+    return ""
+
+
 class LogStream:
     """A run's log, read through ``StreamLogs`` in a background thread (``start``) until the
     SuperLink ends the stream at the run's end; ``echo`` prints its lines (less Flower's
