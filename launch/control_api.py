@@ -1,10 +1,11 @@
 """Requests to a SuperLink's Control API, as the ``flwr`` CLI sends them: start a run from an
 app folder, list runs, read one run's record, ask whether it has finished (``LocalFederation``
 uses them in-process instead of starting a ``flwr`` process per run), and read a run's log
-as it streams (``LogStream``)."""
+so far (``run_log``) or as it streams (``LogStream``)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -84,13 +85,15 @@ def finished(control: Any, run_id: str) -> bool:
 
 def run_log(control: Any, run_id: str) -> str:
     """What the run has logged so far, as ``flwr log RUN_ID --show`` prints it: the first
-    answer of ``StreamLogs`` from the start (the SuperLink sends all it has, then follows)."""
+    answer of ``StreamLogs`` from the start (the SuperLink sends all it has, then follows).
+    Waits for the run's first line: a caller that must not wait bounds it (closing
+    ``control`` ends the wait)."""
     from flwr.proto.control_pb2 import StreamLogsRequest
 
-    for response in control.StreamLogs(StreamLogsRequest(run_id=int(run_id),
-                                                         after_timestamp=0.0)):
-        return response.log_output
-    return ""
+    with contextlib.closing(control.StreamLogs(
+            StreamLogsRequest(run_id=int(run_id), after_timestamp=0.0))) as stream:
+        first = next(stream, None)
+    return first.log_output if first is not None else ""
 
 
 class LogStream:

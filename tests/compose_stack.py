@@ -10,6 +10,7 @@ down again (containers, networks, and a dockerd that ``start`` started).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import signal
 import subprocess
@@ -155,12 +156,28 @@ class ComposeStack(LocalFederation):
 
     def server_log(self) -> str:
         """What the running ServerApp has logged so far (what ``flwr log RUN_ID --show``
-        prints), asked in-process: a ``flwr log`` process every 2 s cost 19 s of CPU."""
-        running = [r["run-id"] for r in self.runs() if r["status"] == "running"]
-        if len(running) != 1:
+        prints), asked in-process: a ``flwr log`` process every 2 s cost 19 s of CPU. "" when
+        it cannot be read now (no run yet, the SuperLink busy, no line within 30 s): the
+        callers poll."""
+        import httpx
+
+        found: list[str] = []
+
+        def read(control: object, run_id: str) -> None:
+            with contextlib.suppress(OSError, httpx.HTTPError, ValueError):
+                found.append(run_log(control, run_id))
+
+        try:
+            running = [r["run-id"] for r in self.runs() if r["status"] == "running"]
+            if len(running) != 1:
+                return ""
+            with self.control_client() as control:
+                reader = threading.Thread(target=read, args=(control, running[0]), daemon=True)
+                reader.start()
+                reader.join(30)  # leaving the block closes the client: a waiting read fails
+        except (OSError, httpx.HTTPError):
             return ""
-        with self.control_client() as control:
-            return run_log(control, running[0])
+        return found[0] if found else ""
 
     def output(self, name: str) -> Path:
         """Host folder of the ServerApp's ``output-dir='outputs/<name>'``."""

@@ -23,8 +23,9 @@ from tests.grouping import pytest_collection_modifyitems  # noqa: F401 (a pytest
 # workers train models in-process side by side on the machine's few cores, and PyTorch's
 # default (a thread per core in each) oversubscribes them; OpenMP's waiting threads then spin
 # on CPU the others need. The unit tier on 2 idle cores, 3 workers: 228 s of CPU and 1 min
-# 52 s with the default, 154 s and 1 min 15 s with one thread. The federations' processes
-# keep their own settings (a simulation of these tests, measured the same way, gained nothing).
+# 52 s with the default; 173-189 s and 1 min 25 s-1 min 37 s with one thread. The
+# federations' processes keep their own settings (with OMP_NUM_THREADS=1 exported to them,
+# three simulation test files gained nothing: 599 s of CPU against 565 s).
 if not os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(1)
 
