@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launch.control_api import run_log
+from launch.control_api import list_runs, run_log
 from launch.federation import FlowerRun, LocalFederation
 from launch.processes import free_port
 
@@ -168,10 +168,11 @@ class ComposeStack(LocalFederation):
                 found.append(run_log(control, run_id))
 
         try:
-            running = [r["run-id"] for r in self.runs() if r["status"] == "running"]
-            if len(running) != 1:
-                return ""
-            with self.control_client() as control:
+            with self.control_client() as control:  # one client for both requests
+                running = [r["run-id"] for r in list_runs(control, None)
+                           if r["status"] == "running"]
+                if len(running) != 1:
+                    return ""
                 reader = threading.Thread(target=read, args=(control, running[0]), daemon=True)
                 reader.start()
                 reader.join(30)  # leaving the block closes the client: a waiting read fails
