@@ -25,8 +25,12 @@ STARTED = "Ray runtime started."
 # and PyTorch, which each actor would otherwise import when its run needs it
 WORKER_PRELOAD = "torch,flwr.clientapp,flwr.simulation.ray_transport.ray_actor"
 PRIMED_FOR_SECONDS = 60  # how long primed workers wait for a run before Ray may stop them
-WARM_UP = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
-           "ray.get(ray.remote(lambda: 0).remote()); ray.shutdown()")
+# The trial driver only joins: a task would start a worker (importing WORKER_PRELOAD) that no
+# run can use, since each run's job has a runtime environment of its own
+WARM_UP = "import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); ray.shutdown()"
+HEAD_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_preload_python_modules": WORKER_PRELOAD,
+            # Ray starts a worker per CPU for the first driver to join, the trial one: none
+            "RAY_prestart_worker_first_driver": "0"}
 
 
 class RayHead:
@@ -57,8 +61,7 @@ class RayHead:
                  "--include-dashboard=false", "--disable-usage-stats",
                  f"--temp-dir={self.temp_dir}", *resources, "--block"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-                     "RAY_preload_python_modules": WORKER_PRELOAD})
+                env={**os.environ, **HEAD_ENV})
         deadline = time.monotonic() + 120
         while STARTED not in self.log.read_text(errors="replace"):
             if self.process.poll() is not None or time.monotonic() > deadline:
