@@ -25,11 +25,14 @@ STARTED = "Ray runtime started."
 # and PyTorch, which each actor would otherwise import when its run needs it
 WORKER_PRELOAD = "torch,flwr.clientapp,flwr.simulation.ray_transport.ray_actor"
 PRIMED_FOR_SECONDS = 60  # how long primed workers wait for a run before Ray may stop them
-# The trial driver only joins: a task would start a worker (importing WORKER_PRELOAD) that no
-# run can use, since each run's job has a runtime environment of its own
-WARM_UP = "import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); ray.shutdown()"
+# A driver that joins and leaves, to check that the head takes drivers. No task: its worker
+# would import WORKER_PRELOAD, and no run could use it (each run's job has a runtime
+# environment of its own)
+TRIAL_DRIVER = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
+                "ray.shutdown()")
 HEAD_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_preload_python_modules": WORKER_PRELOAD,
-            # Ray starts a worker per CPU for the first driver to join, the trial one: none
+            # By default Ray starts a worker per CPU for the first driver to join (workers no
+            # run can use, as above) and holds that driver's join until they have started
             "RAY_prestart_worker_first_driver": "0"}
 
 
@@ -69,11 +72,13 @@ class RayHead:
                 self.__exit__(None, None, None)
                 raise RuntimeError(f"ray start --head failed: {' '.join(tail) or 'no output'}")
             time.sleep(0.2)
-        # A trial driver joins first. Without it, three heads started at once on 2 cores, the
-        # first run on two of them failed: its flwr-simulation process sent its SuperLink no
-        # heartbeat for a minute while joining. With it, 9 runs of 9 completed.
+        # A trial driver joins first, so that a head that takes no driver fails here, with
+        # Ray's reason. It was first added because, with three heads started at once on
+        # 2 cores, the first run on two of them failed: its flwr-simulation process, the
+        # head's first driver, sent its SuperLink no heartbeat for a minute while Ray held
+        # its join (see HEAD_ENV). With the trial driver first, 9 runs of 9 completed.
         try:
-            subprocess.run([sys.executable, "-c", WARM_UP, self.address], check=True,
+            subprocess.run([sys.executable, "-c", TRIAL_DRIVER, self.address], check=True,
                            timeout=300, capture_output=True, text=True,
                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:

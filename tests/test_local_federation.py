@@ -113,8 +113,9 @@ def _start_error(head) -> str | None:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_ray_heads_started_together_each_take_a_driver_and_stop_every_process_they_started():
     """Test workers each start a head at once: the heads must not share ports (``ray start``
-    takes fixed ones by default, and three at once crashed each other's drivers) and each
-    must leave nothing running when it stops."""
+    takes fixed ones by default, and three at once crashed each other's drivers), each must
+    start no worker before a run asks for one, and each must leave nothing running when it
+    stops."""
     from launch.ray_head import RayHead
 
     heads = [RayHead(num_cpus=1) for _ in range(3)]
@@ -127,6 +128,11 @@ def test_ray_heads_started_together_each_take_a_driver_and_stop_every_process_th
         started = _group_members(set().union(*(
             descendant_groups(head.process.pid) | {head.process.pid} for head in heads)))
         assert sum("gcs_server" in _cmdline(p) for p in started) == len(heads)
+        # the trial driver started no worker (Ray logs each one it starts): one would import
+        # PyTorch, and no run's job (each with its own runtime environment) could use it
+        workers = [log.name for head in heads for log in
+                   (head.temp_dir / "session_latest" / "logs").glob("python-core-worker-*")]
+        assert not workers, workers
         temp_dirs = [head.temp_dir for head in heads]
     time.sleep(2)
     left = {p: _cmdline(p) for p in _alive(started)}
