@@ -58,7 +58,13 @@ def select_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device: {setting!r} asked for, but no CUDA device is visible")
+        # Ray hides every GPU from a simulated client given no GPU share (it sets the variable
+        # empty), the usual cause on a GPU machine
+        hidden = (" (CUDA_VISIBLE_DEVICES is empty: in simulation a client sees a GPU only "
+                  "with client-resources-num-gpus above 0)"
+                  if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else "")
+        raise ConfigError(f"device: {setting!r} asked for, but no CUDA device is visible"
+                          + hidden)
     return torch.device(setting)
 
 

@@ -230,6 +230,21 @@ def test_one_client_failing_every_round_is_dropped_and_the_run_completes(tmp_pat
 
 
 @pytest.mark.integration
+def test_cuda_on_simulated_clients_without_a_gpu_share_fails_at_the_preflight_saying_why(
+        federation, tmp_path):
+    """Ray hides every GPU from a simulated client given no GPU share (it empties
+    ``CUDA_VISIBLE_DEVICES``, on a GPU machine as here: seen on an H200), so ``device = "cuda"``
+    stops the run before round 1 with the key that gives clients a GPU."""
+    run = federation.run(ROOT, {"device": "cuda", "num-server-rounds": 1, "plot": False,
+                                "output-dir": str(tmp_path / "out")}, num_supernodes=2)
+    assert run.status == "finished:failed"
+    assert run.reason == ("preflight before round 1: all 2 clients that replied failed: "
+                          "ConfigError: device: 'cuda' asked for, but no CUDA device is visible "
+                          "(CUDA_VISIBLE_DEVICES is empty: in simulation a client sees a GPU "
+                          "only with client-resources-num-gpus above 0)")
+
+
+@pytest.mark.integration
 def test_a_clean_run_prints_only_its_own_lines_then_what_it_wrote(tmp_path):
     """The demo as a user runs it: a start line, the rounds, the final summary and table, the
     list of what the run wrote, the outcome; no warning a user cannot act on. What the echo

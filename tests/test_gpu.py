@@ -1,6 +1,7 @@
 """On a machine with a CUDA device (skipped elsewhere, CI included): every method's clients
 train and evaluate on the GPU in a real deployment (``flower-superlink`` plus two
-``flower-supernode`` processes, each ClientApp a process of its own).
+``flower-supernode`` processes, each ClientApp a process of its own), and simulated clients
+(Ray) on their share of the GPU (``client-resources-num-gpus``).
 
 ``device = "cuda"`` makes a client refuse to start without a visible CUDA device, so a run that
 completes with it trained every client there; the personal state written to each site's state
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from launch.deployment import LocalDeployment
+from launch.federation import LocalFederation
 from strategies.registry import REGISTRY
 from tests.conftest import read_results
 
@@ -57,3 +59,22 @@ def test_every_method_trains_its_clients_on_the_gpu(deployment, method, extra, t
         saved = torch.load(deployment.state_dir(site) / f"site-{site}.pt", weights_only=True)
         assert saved["method"] == method
         assert {t.device.type for t in saved["personal"].values()} <= {"cpu"}
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    with LocalFederation(home=tmp_path_factory.mktemp("flwr")) as running:
+        yield running
+
+
+@pytest.mark.parametrize(("method", "extra"), [("fedfac", {}),
+                                               ("feddecomp", {"dp.mode": "central", **PRIVATE})],
+                         ids=["fedfac", "feddecomp-central"])
+def test_simulated_clients_train_on_their_share_of_the_gpu(federation, method, extra, tmp_path):
+    out = tmp_path / "out"
+    run = federation.run(ROOT, {**CONFIG, "method": method, "output-dir": str(out), **extra},
+                         num_supernodes=4, gpus_per_client=0.25)
+    assert run.ok, run.output[-3000:]
+    final = read_results(out)["final"]
+    assert math.isfinite(final["accuracy_weighted"]) and final["accuracy_weighted"] > 0.3
+

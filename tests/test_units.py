@@ -7,7 +7,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
 
-from client_app.runtime import Client
+from client_app.runtime import Client, select_device
+from common.config import ConfigError
 from common.protocol import ReplyError, check_arrays, spec_of
 from common.record import personalized_stats
 from fldata import DATASETS, dataset_shape, load_client_data
@@ -276,3 +277,20 @@ def test_building_the_model_leaves_the_callers_random_state_as_it_was(method):
     assert torch.equal(torch.rand(3), expected)
     second = build_model(settings).state_dict()
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible to this process")
+def test_cuda_asked_for_without_a_visible_device_says_why(monkeypatch):
+    """``cuda`` without a visible device stops the client; where the variable that Ray empties
+    for a client given no GPU share is empty, the message names the share."""
+    plain = "device: 'cuda' asked for, but no CUDA device is visible"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError) as hidden:
+        select_device("cuda")
+    assert str(hidden.value) == (plain + " (CUDA_VISIBLE_DEVICES is empty: in simulation a "
+                                 "client sees a GPU only with client-resources-num-gpus above 0)")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ConfigError) as absent:
+        select_device("cuda")
+    assert str(absent.value) == plain
+    assert select_device("auto") == torch.device("cpu")
