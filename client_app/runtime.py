@@ -58,13 +58,13 @@ def select_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting.startswith("cuda") and not torch.cuda.is_available():
-        # Ray hides every GPU from a simulated client given no GPU share (it sets the variable
-        # empty), the usual cause on a GPU machine
-        hidden = (" (CUDA_VISIBLE_DEVICES is empty: in simulation a client sees a GPU only "
-                  "with client-resources-num-gpus above 0)"
-                  if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else "")
+        # Ray empties the variable for a simulated client given no GPU share, on a machine
+        # with GPUs as on one without: the usual cause where the machine has one
+        hint = (" (CUDA_VISIBLE_DEVICES is empty: Ray gives a simulated client a GPU only with "
+                "client-resources-num-gpus above 0, on a machine that has one; else use device "
+                "auto or cpu)" if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else "")
         raise ConfigError(f"device: {setting!r} asked for, but no CUDA device is visible"
-                          + hidden)
+                          + hint)
     return torch.device(setting)
 
 

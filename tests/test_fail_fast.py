@@ -233,15 +233,18 @@ def test_one_client_failing_every_round_is_dropped_and_the_run_completes(tmp_pat
 def test_cuda_on_simulated_clients_without_a_gpu_share_fails_at_the_preflight_saying_why(
         federation, tmp_path):
     """Ray hides every GPU from a simulated client given no GPU share (it empties
-    ``CUDA_VISIBLE_DEVICES``, on a GPU machine as here: seen on an H200), so ``device = "cuda"``
-    stops the run before round 1 with the key that gives clients a GPU."""
+    ``CUDA_VISIBLE_DEVICES`` on a machine without a GPU as here, and on a GPU machine too: seen
+    on an H200), so ``device = "cuda"`` stops the run before round 1 with the key that gives
+    clients a GPU. Ray 2.55's default: ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0`` turns it off
+    (``launch/run_output.py``)."""
     run = federation.run(ROOT, {"device": "cuda", "num-server-rounds": 1, "plot": False,
                                 "output-dir": str(tmp_path / "out")}, num_supernodes=2)
     assert run.status == "finished:failed"
     assert run.reason == ("preflight before round 1: all 2 clients that replied failed: "
                           "ConfigError: device: 'cuda' asked for, but no CUDA device is visible "
-                          "(CUDA_VISIBLE_DEVICES is empty: in simulation a client sees a GPU "
-                          "only with client-resources-num-gpus above 0)")
+                          "(CUDA_VISIBLE_DEVICES is empty: Ray gives a simulated client a GPU "
+                          "only with client-resources-num-gpus above 0, on a machine that has "
+                          "one; else use device auto or cpu)")
 
 
 @pytest.mark.integration

@@ -279,16 +279,17 @@ def test_building_the_model_leaves_the_callers_random_state_as_it_was(method):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible to this process")
 def test_cuda_asked_for_without_a_visible_device_says_why(monkeypatch):
     """``cuda`` without a visible device stops the client; where the variable that Ray empties
     for a client given no GPU share is empty, the message names the share."""
     plain = "device: 'cuda' asked for, but no CUDA device is visible"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine too
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ConfigError) as hidden:
         select_device("cuda")
-    assert str(hidden.value) == (plain + " (CUDA_VISIBLE_DEVICES is empty: in simulation a "
-                                 "client sees a GPU only with client-resources-num-gpus above 0)")
+    assert str(hidden.value) == (plain + " (CUDA_VISIBLE_DEVICES is empty: Ray gives a simulated "
+                                 "client a GPU only with client-resources-num-gpus above 0, on a "
+                                 "machine that has one; else use device auto or cpu)")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(ConfigError) as absent:
         select_device("cuda")
