@@ -13,8 +13,9 @@ it on the seeds it is judged on favours the reference a little: the verdicts err
 
 Every claim also gets a **superiority** verdict (the same interval against a margin of 0: is
 the method better at all?) and, where the paper reports the same comparison, the paper's own
-difference (``paper_effect``) and whether the interval excludes it: a paper's gain is
-reproduced only where it does not.
+difference (``paper_effect``) and whether the interval excludes it; the report says on which
+side: the interval below it, the paper's difference is not reproduced (worse here); above it,
+better here than the paper reports; inside it, reproduced.
 
 More seeds, a rule fixed before they run: a claim whose interval lies across its margin after
 the ``REPORT_SEEDS`` gets its row and its reference run on ``EXTRA_SEEDS`` too (the reference
@@ -201,11 +202,12 @@ def claim_line(record: dict[str, Any]) -> str:
     if record["paper_effect"] is None:
         paper = "the paper reports no number for this comparison"
     else:
-        # an interval wholly above the paper's difference is a larger effect than claimed,
-        # not a failure to reproduce one: the side is said
+        # an interval wholly above the paper's difference is better than the paper reports,
+        # not a failure to reproduce it: the side is said
         side = ("within the interval" if not record["paper_effect_excluded"]
-                else "**not reproduced**: the interval lies below it"
-                if high < record["paper_effect"] else "exceeded: the interval lies above it")
+                else "**not reproduced**: the interval lies below it (worse here)"
+                if high < record["paper_effect"]
+                else "better here than the paper reports: the interval lies above it")
         paper = f"paper {100 * record['paper_effect']:+.1f} ({record['paper_source']}): {side}"
     return (f"- {record['claim']}: **{record['verdict']}** (against {record['reference']}"
             f"{figure}: {100 * record['mean_diff']:+.1f} points, 95% interval "
