@@ -50,6 +50,9 @@ def test_every_row_searches_the_same_learning_rates_and_the_same_extra_budget(tm
             # in full (summary.json's grid): the method's defaults, the row's fixed settings
             full = offline.method_config(scenario, item, searched[0])
             assert all(full[k] == v for k, v in item.fixed.items()), item.label
+            # and every configuration apart: a common knob is listed with the learning rate
+            grid = [offline.method_config(scenario, item, c) for c in searched]
+            assert all(grid.count(c) == 1 for c in grid), (item.label, grid)
     # a row without settings of its own searches the common knobs; FedRep fills its three
     assert protocol.settings_stage("fedavg", 0.03) == [
         {"lr": 0.03, **knob} for knob in protocol.COMMON_KNOBS]

@@ -58,12 +58,14 @@ class Matrix:
 
     def method_config(self, scenario: str, item: Entry, config: dict[str, Any]
                       ) -> dict[str, Any]:
-        """A searched configuration in full: its learning rate and every setting of its
-        method, defaults and the row's fixed ones included (what ``summary.json`` lists)."""
+        """A searched configuration in full: every key it sets (a common knob such as
+        ``local-epochs`` too, and the rounds of a convergence re-run), its learning rate and
+        every setting of its method, defaults and the row's fixed ones included (what
+        ``summary.json`` lists)."""
         resolved = self.store.resolved(self.run_config(scenario, item, "report", config, 0,
                                                        self.out))
         return {k: v for k, v in resolved.items()
-                if k == "lr" or k.startswith(f"{item.method}.")}
+                if k == "lr" or k.startswith(f"{item.method}.") or k in expand(config)}
 
     def cell(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
              seed: int, may_run: bool = True) -> dict[str, Any] | None:
