@@ -7,9 +7,9 @@ initial model) lies at or above the margin, **did not hold** otherwise, and is *
 measured** while a row, its reference or one of their report seeds is missing. Beside the
 verdict, ``interval`` says where the interval lies: above the margin (held), below it (a clear
 failure) or across it (the seeds cannot tell). A reference named by several labels is the
-best of them by mean accuracy over the same report seeds (the strongest competitor; choosing
-it on the seeds it is judged on favours the reference a little: the verdicts err towards
-"did not hold").
+best of them by mean accuracy over the ``REPORT_SEEDS``, so that extra seeds, run for some
+rows only, cannot change it (the strongest competitor; choosing it on the seeds it is judged
+on favours the reference a little: the verdicts err towards "did not hold").
 
 Every claim also gets a **superiority** verdict (the same interval against a margin of 0: is
 the method better at all?) and, where the paper reports the same comparison, the paper's own
@@ -31,6 +31,7 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
+from bench.evidence.stats import report_seeds_accuracy
 from comparison.stats import accuracy_difference, config_tag, judge_difference
 
 BEST_BASELINE = BASELINES
@@ -143,7 +144,7 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
         if not all(complete(r) for _, r in candidates):
             reference = None
         else:
-            label, best = max(candidates, key=lambda lr: lr[1]["accuracy"][0])
+            label, best = max(candidates, key=lambda lr: report_seeds_accuracy(lr[1]))
             reference = {"label": label, "per_seed": best["per_seed"]}
     if (not complete(row) or reference is None or not all(
             claim.figure in f for r in (row, reference) for f in r["per_seed"].values())):

@@ -3,6 +3,7 @@ implementation the compare command uses (``comparison/stats.py``)."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from bench.evidence import protocol
@@ -50,6 +51,15 @@ def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
             "per_seed": figures["per_seed"], "accuracy": figures["accuracy"],
             "accuracy_min": figures["accuracy_min"]}
     return out
+
+
+def report_seeds_accuracy(row: dict[str, Any]) -> float:
+    """The row's mean accuracy over the report seeds it has: what rows are ranked by. Its mean
+    over all its seeds would favour a row that ran ``EXTRA_SEEDS`` (for an undecided claim)
+    whenever those seeds happen to be easier; on the report seeds every row is scored on the
+    same splits."""
+    return statistics.fmean(f["accuracy"] for s, f in row["per_seed"].items()
+                            if s in protocol.REPORT_SEEDS)
 
 
 def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
