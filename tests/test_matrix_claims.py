@@ -16,11 +16,15 @@ from comparison.stats import config_tag
 from tests.conftest import ROOT
 
 
-def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True) -> dict:
-    """A row as ``row_stats`` gives it, from its per-seed figures (seeds 1, 2, ...)."""
-    return {"per_seed": {seed: {"accuracy": a} for seed, a in enumerate(per_seed, 1)},
+def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True,
+         num_rounds: int = 40, task: list[float] | None = None) -> dict:
+    """A row as ``row_stats`` gives it, from its per-seed figures (seeds 1, 2, ...), its task
+    accuracy the same as its accuracy unless ``task`` is given."""
+    task = per_seed if task is None else task
+    return {"per_seed": {seed: {"accuracy": a, "task_accuracy": t}
+                         for seed, (a, t) in enumerate(zip(per_seed, task, strict=True), 1)},
             "accuracy": (statistics.fmean(per_seed), 0.0), "mb_up": (mb_up, 0.0),
-            "seeds": len(per_seed), "tuned": tuned}
+            "seeds": len(per_seed), "tuned": tuned, "num_rounds": num_rounds}
 
 
 def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
@@ -83,6 +87,16 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
                 "uplink")
     assert judged[permuted]["verdict"] == "held"
     assert judged[permuted]["uplink_share_of_fedavg"] == 0.04
+    # a FedAvg whose rounds the convergence rule doubled twice sends 4 times as much in all,
+    # not a round: the share is per round
+    stats["permuted-labels"]["fedavg"] = _row(base, mb_up=40.0, num_rounds=160)
+    judged = {c["claim"]: c for c in claims(stats, ablated)}
+    assert judged[permuted]["uplink_share_of_fedavg"] == 0.04
+    stats["permuted-labels"]["factorized-fl"] = _row(shifted([0.0] * 5), mb_up=0.6)
+    judged = {c["claim"]: c for c in claims(stats, ablated)}
+    assert judged[permuted]["verdict"] == "did not hold"  # 6% of FedAvg's a round
+    stats["permuted-labels"]["factorized-fl"] = _row(shifted([0.0] * 5), mb_up=0.4)
+    judged = {c["claim"]: c for c in claims(stats, ablated)}
     # not worse by more than a point, but not better either: the paper's gain (+4 points)
     # lies outside the interval, so it did not reproduce
     assert judged[permuted]["superiority"] == "did not hold"
@@ -141,6 +155,20 @@ def test_an_undecided_claim_gets_extra_seeds_for_its_row_and_reference_once():
     assert best["reference"] == "fedper" and len(best["paired_diffs"]) == 10
 
 
+def test_a_task_accuracy_claim_is_judged_against_the_best_reference_on_task_accuracy():
+    base = [0.60, 0.62, 0.58, 0.61, 0.59]
+    up = [b + 0.05 for b in base]
+    stats = {"dirichlet-0.1": {label: _row(base) for label in protocol.BASELINES}}
+    stats["dirichlet-0.1"]["fedavg-ft"] = _row(up)  # the best on per-client accuracy
+    stats["dirichlet-0.1"]["fedbn"] = _row(base, task=up)  # the best on task accuracy
+    stats["dirichlet-0.1"]["pfedc"] = _row(base, task=[b + 0.08 for b in base])
+    judged = {c["claim"]: c for c in claims(stats)}
+    claim = "pfedc not below the best baseline by more than 1 point on dirichlet-0.1"
+    assert judged[claim]["reference"] == "fedavg-ft"
+    assert judged[claim + " (task accuracy)"]["reference"] == "fedbn"
+    assert judged[claim + " (task accuracy)"]["mean_diff"] == pytest.approx(0.03)
+
+
 def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
     """As a claim is judged: per seed against its row, on the seeds both have."""
     row = _row([0.60, 0.62, 0.58, 0.61, 0.59]) | {"config": "lr=0.02"}
@@ -197,10 +225,18 @@ def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_hol
     line = pick_table({scenario: pick}, stats).splitlines()[-1]
     assert line.startswith("| dirichlet-0.1 | **fedper**: 80.0 ± 1.6, 40 MB | ")
     assert "fedrep -0.4 [" in line and "38 MB" in line and not re.search(r"fedavg [+-]", line)
-    assert "still provisional (search or convergence): fedbn" in line
+    assert "still provisional (search, seeds or convergence): fedbn" in line
     # a row best only through its extra seeds (run for an undecided claim) is not the best:
     # rows are ranked on the report seeds every row has
     stats["dirichlet-0.1"]["fedavg"] = row("fedavg", [0.79, 0.81, 0.771, 0.80, 0.78]
                                            + [0.99] * 5)
     assert stats["dirichlet-0.1"]["fedavg"]["accuracy"][0] > statistics.fmean(best)
     assert picks(stats)["dirichlet-0.1"]["best"] == "fedper"
+    # and a best row that has run extra seeds shows its figure on the report seeds
+    stats["dirichlet-0.1"]["fedper"] = row("fedper", best + [0.5] * 5, mb_up=40.0)
+    picked = picks(stats)
+    assert pick_table(picked, stats).splitlines()[-1].startswith(
+        "| dirichlet-0.1 | **fedper**: 80.0 ± 1.6, 40 MB | ")
+    # a row still missing report seeds may be the best so far, but only provisionally
+    stats["dirichlet-0.1"]["fedper"] = row("fedper", best[:3], mb_up=40.0)
+    assert "fedper" in picks(stats)["dirichlet-0.1"]["provisional"]

@@ -61,7 +61,8 @@ class Matrix:
         """A searched configuration in full: every key it sets (a common knob such as
         ``local-epochs`` too, and the rounds of a convergence re-run), its learning rate and
         every setting of its method, defaults and the row's fixed ones included (what
-        ``summary.json`` lists)."""
+        ``summary.json`` lists; so a row whose rounds were doubled has a ``chosen`` that is
+        not an entry of its ``grid``)."""
         resolved = self.store.resolved(self.run_config(scenario, item, "report", config, 0,
                                                        self.out))
         return {k: v for k, v in resolved.items()

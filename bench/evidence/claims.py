@@ -7,9 +7,10 @@ initial model) lies at or above the margin, **did not hold** otherwise, and is *
 measured** while a row, its reference or one of their report seeds is missing. Beside the
 verdict, ``interval`` says where the interval lies: above the margin (held), below it (a clear
 failure) or across it (the seeds cannot tell). A reference named by several labels is the
-best of them by mean accuracy over the ``REPORT_SEEDS``, so that extra seeds, run for some
-rows only, cannot change it (the strongest competitor; choosing it on the seeds it is judged
-on favours the reference a little: the verdicts err towards "did not hold").
+best of them by its mean figure (the claim's: accuracy or task accuracy) over the
+``REPORT_SEEDS``, so that extra seeds, run for some rows only, cannot change it (the
+strongest competitor; choosing it on the seeds it is judged on favours the reference a
+little: the verdicts err towards "did not hold"). An uplink bound compares uplink per round.
 
 Every claim also gets a **superiority** verdict (the same interval against a margin of 0: is
 the method better at all?) and, where the paper reports the same comparison, the paper's own
@@ -31,7 +32,7 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
-from bench.evidence.stats import report_seeds_accuracy
+from bench.evidence.stats import report_seeds_stats
 from comparison.stats import accuracy_difference, config_tag, judge_difference
 
 BEST_BASELINE = BASELINES
@@ -44,7 +45,7 @@ class Claim:
     method: str                        # the row's label
     reference: tuple[str, ...]         # labels; the best of them by mean accuracy
     margin: float                      # in accuracy (0.01 = one point)
-    max_uplink_share: float | None = None   # of FedAvg's uplink in the same scenario
+    max_uplink_share: float | None = None   # of FedAvg's uplink a round, same scenario
     same_size_random_split: bool = False    # the reference is the row's own ablation
     # "accuracy": weighted by test examples; "task_accuracy": the mean over tasks (classes),
     # pFedC's figure
@@ -144,7 +145,8 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
         if not all(complete(r) for _, r in candidates):
             reference = None
         else:
-            label, best = max(candidates, key=lambda lr: report_seeds_accuracy(lr[1]))
+            label, best = max(candidates,
+                              key=lambda lr: report_seeds_stats(lr[1], claim.figure)[0])
             reference = {"label": label, "per_seed": best["per_seed"]}
     if (not complete(row) or reference is None or not all(
             claim.figure in f for r in (row, reference) for f in r["per_seed"].values())):
@@ -164,7 +166,9 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
         fedavg = rows.get("fedavg")
         if not complete(fedavg):
             return record
-        uplink = row["mb_up"][0] / fedavg["mb_up"][0]
+        # per round: a row whose rounds the convergence rule doubled sends more in all
+        uplink = ((row["mb_up"][0] / row["num_rounds"])
+                  / (fedavg["mb_up"][0] / fedavg["num_rounds"]))
         record["uplink_share_of_fedavg"] = uplink
         held = held and uplink <= claim.max_uplink_share
     record["verdict"] = "held" if held else "did not hold"
@@ -197,7 +201,7 @@ def claim_line(record: dict[str, Any]) -> str:
     if record["verdict"] == "not measured":
         return f"- {record['claim']}: **not measured** (rows missing or incomplete)"
     low, high = record["ci95"]
-    uplink = (f"; uplink {100 * record['uplink_share_of_fedavg']:.1f}% of FedAvg's"
+    uplink = (f"; uplink {100 * record['uplink_share_of_fedavg']:.1f}% of FedAvg's a round"
               if "uplink_share_of_fedavg" in record else "")
     figure = "; task accuracy" if record["figure"] == "task_accuracy" else ""
     if record["paper_effect"] is None:

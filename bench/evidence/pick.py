@@ -1,14 +1,16 @@
 """What to pick, per scenario: the row with the best accuracy over the report seeds (which
-every row has), and the rows statistically tied with it (the 95% interval of their paired
-difference against it, over the seeds both ran, does not exclude 0), with each one's uplink.
-The table the report, and the README's benchmark section, open with."""
+every complete row has; one still missing some is marked provisional), and the rows
+statistically tied with it (the 95% interval of their paired difference against it, over the
+seeds both ran, does not exclude 0), with each one's uplink. The table the report, and the
+README's benchmark section, open with."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from bench.evidence.claims import complete
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.stats import flag, report_seeds_accuracy
+from bench.evidence.stats import flag, report_seeds_stats
 from comparison.stats import accuracy_difference, points
 
 
@@ -18,7 +20,7 @@ def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
     not converged or finished their search."""
     out = {}
     for scenario, rows in stats.items():
-        ranked = sorted(rows.values(), key=report_seeds_accuracy, reverse=True)
+        ranked = sorted(rows.values(), key=lambda r: report_seeds_stats(r)[0], reverse=True)
         best = ranked[0]
         tied = {r["label"]: d for r in ranked[1:]
                 if (d := accuracy_difference(r, best)) is not None and d["ci95"] is not None
@@ -28,24 +30,27 @@ def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
             "best": best["label"], "tied": tied,
             "missing": [e.label for e in SCENARIOS[scenario].entries if e.label not in rows],
             "provisional": [label for label in picked
-                            if not rows[label]["tuned"] or flag(rows[label])]}
+                            if not complete(rows[label]) or flag(rows[label])]}
     return out
 
 
 def pick_table(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dict[str, Any]]]
                ) -> str:
     """Markdown: one line per scenario."""
-    lines = ["| scenario | best: accuracy (mean ± std), uplink MB | statistically tied with "
-             "it: difference in points [95% interval], uplink MB |", "|---|---|---|"]
+    lines = ["| scenario | best: accuracy on the report seeds (mean ± std), uplink MB | "
+             "statistically tied with it: difference in points [95% interval], uplink MB |",
+             "|---|---|---|"]
     for scenario, pick in picked.items():
         rows = stats[scenario]
         best = rows[pick["best"]]
+        mean, std = report_seeds_stats(best)
         tied = "; ".join(f"{label} {points(d)}, {rows[label]['mb_up'][0]:.0f} MB"
                          for label, d in pick["tied"].items()) or "none"
         notes = ([f"not in yet: {', '.join(pick['missing'])}"] if pick["missing"] else []) + (
-            [f"still provisional (search or convergence): {', '.join(pick['provisional'])}"]
+            [f"still provisional (search, seeds or convergence): "
+             f"{', '.join(pick['provisional'])}"]
             if pick["provisional"] else [])
-        lines.append(f"| {scenario} | **{pick['best']}**: {100 * best['accuracy'][0]:.1f} ± "
-                     f"{100 * best['accuracy'][1]:.1f}, {best['mb_up'][0]:.0f} MB | {tied}"
+        lines.append(f"| {scenario} | **{pick['best']}**: {100 * mean:.1f} ± {100 * std:.1f}, "
+                     f"{best['mb_up'][0]:.0f} MB | {tied}"
                      + (f" ({'; '.join(notes)})" if notes else "") + " |")
     return "\n".join(lines) + "\n"

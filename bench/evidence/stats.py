@@ -3,7 +3,6 @@ implementation the compare command uses (``comparison/stats.py``)."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from bench.evidence import protocol
@@ -24,6 +23,7 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
     if not cells:
         return None
     stats = {"label": item.label, "method": item.method, "config": config_tag(config),
+             "num_rounds": next(iter(cells.values()))["rounds"][-1],
              "chosen": matrix.method_config(scenario, item, config), "tuned": tuned,
              "grid": [matrix.method_config(scenario, item, c) for c, _ in searched],
              "diverged": [matrix.method_config(scenario, item, c) for c, cell in searched
@@ -53,13 +53,13 @@ def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
     return out
 
 
-def report_seeds_accuracy(row: dict[str, Any]) -> float:
-    """The row's mean accuracy over the report seeds it has: what rows are ranked by. Its mean
-    over all its seeds would favour a row that ran ``EXTRA_SEEDS`` (for an undecided claim)
-    whenever those seeds happen to be easier; on the report seeds every row is scored on the
-    same splits."""
-    return statistics.fmean(f["accuracy"] for s, f in row["per_seed"].items()
-                            if s in protocol.REPORT_SEEDS)
+def report_seeds_stats(row: dict[str, Any], figure: str = "accuracy") -> tuple[float, float]:
+    """Mean and standard deviation of the row's ``figure`` over the report seeds it has: what
+    rows are ranked by. Its mean over all its seeds would favour a row that ran
+    ``EXTRA_SEEDS`` (for an undecided claim) whenever those seeds happen to be easier; on the
+    report seeds every row is scored on the same splits."""
+    return mean_std([f[figure] for s, f in row["per_seed"].items()
+                     if s in protocol.REPORT_SEEDS])
 
 
 def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
