@@ -142,7 +142,8 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
     else:
         candidates = [(label, rows.get(label)) for label in claim.reference
                       if label != claim.method]
-        if not all(complete(r) for _, r in candidates):
+        if not all(complete(r) and all(claim.figure in f for f in r["per_seed"].values())
+                   for _, r in candidates):  # every candidate has the claim's figure
             reference = None
         else:
             label, best = max(candidates,
