@@ -201,7 +201,7 @@ def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_hol
 
     def row(label: str, per_seed: list[float], slope: float = 0.0, mb_up: float = 10.0
             ) -> dict:
-        return {"label": label, "tuned": True, "cells": [{"rounds": [40]}],
+        return {"label": label, "tuned": True, "num_rounds": 40,
                 "per_seed": {seed: {"accuracy": a, "slope": slope}
                              for seed, a in enumerate(per_seed, 1)},
                 "accuracy": (statistics.fmean(per_seed), statistics.stdev(per_seed)),

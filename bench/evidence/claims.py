@@ -124,6 +124,10 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
     paired differences, their mean and interval, and the verdict."""
     rows = stats.get(claim.scenario, {})
     row = rows.get(claim.method)
+
+    def has_figure(r: dict[str, Any]) -> bool:  # cells from before task accuracy lack it
+        return all(claim.figure in f for f in r["per_seed"].values())
+
     record: dict[str, Any] = {"claim": claim.claim, "scenario": claim.scenario,
                               "method": claim.method, "reference": None,
                               "figure": claim.figure, "margin": claim.margin,
@@ -142,15 +146,14 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
     else:
         candidates = [(label, rows.get(label)) for label in claim.reference
                       if label != claim.method]
-        if not all(complete(r) and all(claim.figure in f for f in r["per_seed"].values())
-                   for _, r in candidates):  # every candidate has the claim's figure
+        if not all(complete(r) and has_figure(r) for _, r in candidates):
             reference = None
         else:
             label, best = max(candidates,
                               key=lambda lr: report_seeds_stats(lr[1], claim.figure)[0])
             reference = {"label": label, "per_seed": best["per_seed"]}
-    if (not complete(row) or reference is None or not all(
-            claim.figure in f for r in (row, reference) for f in r["per_seed"].values())):
+    if (not complete(row) or reference is None
+            or not (has_figure(row) and has_figure(reference))):
         return record
     diff = accuracy_difference(row, reference, claim.figure)
     low, high = diff["ci95"] or (diff["mean_diff"], diff["mean_diff"])

@@ -82,7 +82,7 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
             rows[f"{scenario}/{label}"] = {
                 "method": r["method"], "num_clients": matrix.clients(scenario),
                 "fraction_train": config.get("fraction-train", 1.0),
-                "rounds": r["cells"][0]["run_config"]["num-server-rounds"],
+                "rounds": r["num_rounds"],
                 "lr_grid": sorted({c["lr"] for c in r["grid"]}), "grid": r["grid"],
                 "diverged": r["diverged"],
                 "chosen": r["chosen"], "tuned": r["tuned"],

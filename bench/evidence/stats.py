@@ -23,7 +23,7 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
     if not cells:
         return None
     stats = {"label": item.label, "method": item.method, "config": config_tag(config),
-             "num_rounds": next(iter(cells.values()))["rounds"][-1],
+             "num_rounds": next(iter(cells.values()))["run_config"]["num-server-rounds"],
              "chosen": matrix.method_config(scenario, item, config), "tuned": tuned,
              "grid": [matrix.method_config(scenario, item, c) for c, _ in searched],
              "diverged": [matrix.method_config(scenario, item, c) for c, cell in searched
@@ -74,7 +74,7 @@ def flag(row: dict[str, Any]) -> str:
     if interval is None:
         return "one seed: convergence cannot be judged"
     if interval[1] > protocol.CONVERGED_SLOPE:
-        return (f"not converged at round {row['cells'][0]['rounds'][-1]}: slope over the "
+        return (f"not converged at round {row['num_rounds']}: slope over the "
                 f"last 10 rounds {100 * row['slope'][0]:+.2f} points a round, 95% interval "
                 f"[{100 * interval[0]:+.2f}, {100 * interval[1]:+.2f}] (converged: at most "
                 f"{100 * protocol.CONVERGED_SLOPE:+.2f}; the rounds were doubled at most "
