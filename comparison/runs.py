@@ -18,7 +18,10 @@ one staleness rule):
 
 A run that failed is not stored (the next invocation tries it again), except a diverged one
 where the caller says divergence is a result (a searched configuration that cannot be
-chosen; a run under DP noise).
+chosen; a run under DP noise). A run diverged where its clients' losses or arrays stopped
+being finite: all of them (the run failed), or some of them in the rounds its figure is
+computed on, the last ``LAST_ROUNDS`` evaluated ones (the run completed, but its accuracy is
+over the clients that survived, once 1.0 over a single client).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from comparison.stats import comparable_config, summarize_run
+from comparison.stats import LAST_ROUNDS, comparable_config, summarize_run
 
 
 class RunOutcome(Protocol):
@@ -106,16 +109,16 @@ class RunStore:
         entry = {**(about or {}), "run_config": run_config,
                  "resolved_config": self.resolved(run_config), **context, **stamp,
                  "wall_seconds": wall}
-        if not run.ok:
-            reason = divergence(out)
+        reason = divergence(out)
+        if not run.ok or reason is not None:
             if not diverged_is_result or reason is None:
-                why = run.reason or run.status or "did not start"
+                why = reason or run.reason or run.status or "did not start"
                 self.failed.append(f"{name}: {why}")
                 print(run.output[-3000:], file=sys.stderr)
                 print(f"{self.prefix}{name}: run failed ({why}); not stored, the next "
                       "invocation tries it again", file=sys.stderr, flush=True)
                 return None
-            entry.update(status="diverged", reason=reason)
+            entry.update(status="diverged", reason=reason, **spent_budget(out))
         else:
             entry.update(summarize_run(json.loads((out / "results.json").read_text())))
         record.parent.mkdir(parents=True, exist_ok=True)
@@ -127,12 +130,40 @@ class RunStore:
 
 
 def divergence(out: Path) -> str | None:
-    """Why a failed run under ``out`` diverged (its clients' losses or arrays stopped being
-    finite, so that no reply was valid), or None where it failed otherwise (a crash, a
-    timeout)."""
+    """Why the run under ``out`` diverged, or None where it did not (a run that failed
+    otherwise, on a crash or a timeout, did not diverge): it failed because no reply was left
+    whose losses and arrays were finite, or it lost clients to non-finite values in the
+    rounds its figure is computed on (``lost_to_non_finite``)."""
     path = out / "results.json"
     if not path.exists():
         return None
     results = json.loads(path.read_text())
-    reason = str(results.get("reason", ""))
-    return reason if results.get("status") == "failed" and "not finite" in reason else None
+    if results.get("status") == "failed":
+        reason = str(results.get("reason", ""))
+        return reason if "not finite" in reason else None
+    return lost_to_non_finite(results)
+
+
+def spent_budget(out: Path) -> dict[str, Any]:
+    """``{"privacy": ...}``: what a run under DP spent by its end (a diverged run spent it
+    too), or nothing."""
+    final = json.loads((out / "results.json").read_text()).get("final", {})
+    return {"privacy": final["privacy"]} if "privacy" in final else {}
+
+
+def lost_to_non_finite(results: Mapping[str, Any]) -> str | None:
+    """Which clients' replies were dropped as not finite from the first of the last
+    ``LAST_ROUNDS`` evaluated rounds on (training or evaluation), as one line; None where
+    none was."""
+    rounds = results.get("rounds", [])
+    evaluated = [r["round"] for r in rounds if "eval" in r]
+    if not evaluated:
+        return None
+    first = evaluated[-LAST_ROUNDS:][0]
+    lost = {d.get("client"): d["reason"] for r in rounds if r["round"] >= first
+            for d in r.get("dropped", []) if "not finite" in d.get("reason", "")}
+    if not lost:
+        return None
+    return (f"rounds {first}-{rounds[-1]['round']}: the replies of {len(lost)} client(s) "
+            f"were not finite ({sorted(set(lost.values()))[0]}); the accuracy would be "
+            "over the others")

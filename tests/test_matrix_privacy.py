@@ -39,8 +39,9 @@ def _store_private(matrix: Matrix, label: str, config: dict, z: float, seed: int
            seed=seed)
     path = protocol.cell_path(matrix.out, SCENARIO, label, "privacy", change, seed)
     cell = json.loads(path.read_text())
-    cell.update({"privacy": {"epsilon": epsilon, "delta": 0.3}} if accuracy is not None else
-                {"status": "diverged", "reason": "no valid reply: losses not finite"})
+    cell["privacy"] = {"epsilon": epsilon, "delta": 0.3}  # a diverged run spent it too
+    if accuracy is None:
+        cell.update(status="diverged", reason="no valid reply: losses not finite")
     if accuracy is None:
         del cell["accuracy_per_round"]
     path.write_text(json.dumps(cell))
@@ -63,6 +64,7 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
     stats = privacy_stats(matrix)[SCENARIO]
     assert stats["fedavg"]["levels"][0.1]["epsilon"] == 42.0  # every run's guarantee: the most
     assert stats["feddecomp"]["levels"][0.1]["diverged"] == [2]
+    assert stats["feddecomp"]["levels"][0.1]["epsilon"] == 42.0  # spent by the diverged seed
     tables = privacy_tables({SCENARIO: stats})
     assert "z = 0.1 (ε ≤ 42)" in tables
     # FedPer minus FedAvg, seed by seed: +20 and +10 points

@@ -111,6 +111,38 @@ def test_a_failed_run_is_not_stored_and_a_diverged_one_only_where_it_is_a_result
     assert not other.exists()
 
 
+def _rounds(n: int, dropped: dict[int, list[dict[str, str]]]) -> dict[str, Any]:
+    """A completed run of ``n`` evaluated rounds, with ``dropped`` replies by round."""
+    return {**RESULTS, "rounds": [
+        {"round": r, "bytes_up": 0, "eval": {"accuracy_weighted": 0.5, "accuracy_min": 0.4},
+         **({"dropped": dropped[r]} if r in dropped else {})} for r in range(1, n + 1)]}
+
+
+NAN = {"stage": "train", "client": "3", "reason": "metric 'train-loss' is not finite"}
+LATE = {"stage": "evaluate", "client": "3", "reason": "no reply within round-timeout"}
+
+
+def test_a_run_that_lost_clients_to_non_finite_values_in_its_last_rounds_diverged(tmp_path):
+    """Its accuracy would be over the clients that survived (local DP at noise 1.0 left
+    one client, whose accuracy 1.0 was the run's): a divergence, never a figure."""
+    lost = _rounds(10, {8: [NAN]})  # in the last LAST_ROUNDS evaluated rounds (6-10)
+    lost["final"] = {**lost["final"], "privacy": {"epsilon": 110.0, "delta": 0.04}}
+    store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(lost))
+    record = tmp_path / "z1.json"
+    assert store.get(record, config(tmp_path), name="z 1") is None and not record.exists()
+    assert store.failed[0].startswith("z 1: rounds 6-10: the replies of 1 client(s) were "
+                                      "not finite (metric 'train-loss' is not finite)")
+    kept = store.get(record, config(tmp_path), name="z 1", diverged_is_result=True)
+    assert kept["status"] == "diverged" and "accuracy_weighted" not in kept
+    assert kept["privacy"]["epsilon"] == 110.0  # what it spent, diverged or not
+    # a client lost before the figure's rounds, or lost to a timeout, leaves a figure
+    for results in (_rounds(10, {5: [NAN]}), _rounds(10, {9: [LATE]})):
+        other = tmp_path / f"other{len(store.failed)}.json"
+        store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(results))
+        assert store.get(other, config(tmp_path), name="x")["accuracy_weighted"] == 0.5
+        assert store.failed == []
+
+
 def test_without_a_runner_or_leave_to_run_nothing_runs(tmp_path):
     runner = WritingRunner(RESULTS)
     assert RunStore(app_defaults(ROOT), REGISTRY).get(

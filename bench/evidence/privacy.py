@@ -31,7 +31,7 @@ def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
         if not cells:
             continue
         private = {c["seed"]: c for c in cells if c.get("status") != "diverged"}
-        spent = [c["privacy"] for c in private.values() if "privacy" in c]
+        spent = [c["privacy"] for c in cells if "privacy" in c]  # diverged ones spent it too
         row = out.setdefault(entry.scenario, {}).setdefault(entry.label, {"levels": {}})
         if clean and "none" not in row:  # the same cells for every level
             row["none"] = method_stats({c["seed"]: c for c in clean})
