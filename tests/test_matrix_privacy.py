@@ -52,7 +52,9 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
     monkeypatch.setattr(protocol, "REPORT_SEEDS", (1, 2))
     monkeypatch.setattr(protocol, "PRIVACY", [
         protocol.Ablation(SCENARIO, label, protocol.privacy_change(0.1), "")
-        for label in ("fedavg", "fedper", "feddecomp")])
+        for label in ("fedavg", "fedper", "feddecomp")] + [
+        protocol.Ablation(SCENARIO, label, protocol.privacy_change(1.0), "")
+        for label in ("fedavg", "fedper")])
     matrix = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
     accuracies = {"fedavg": (0.50, 0.60), "fedper": (0.70, 0.70), "feddecomp": (0.60, None)}
     for label, private in accuracies.items():
@@ -60,6 +62,9 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
         for seed, accuracy in zip((1, 2), private, strict=True):
             _store(matrix, SCENARIO, _entry(label), config, [0.9] * 2, stage="report", seed=seed)
             _store_private(matrix, label, config, 0.1, seed, accuracy, epsilon=40.0 + seed)
+            if label != "feddecomp":  # at 1.0 FedAvg diverged on both seeds, FedPer did not
+                _store_private(matrix, label, config, 1.0, seed,
+                               None if label == "fedavg" else 0.3, epsilon=4.0)
 
     stats = privacy_stats(matrix)[SCENARIO]
     assert stats["fedavg"]["levels"][0.1]["epsilon"] == 42.0  # every run's guarantee: the most
@@ -75,6 +80,10 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
     # its seed 2 diverged: compared on seed 1 alone, and said so
     assert ("| feddecomp | 0.1 | +10.0 (seeds 1 only) | -10.0 (seeds 1 only) | -30.0 (seeds 1 "
             "only) |") in tables
+
+    # a side that diverged on every seed is named, not left blank
+    assert "| fedavg | 1.0 | - | diverged | diverged |" in tables
+    assert "| fedper | 1.0 | fedavg diverged | - | -60.0 [-60.0, -60.0] |" in tables
 
     report = write_report(matrix, "python bench/matrix.py")
     assert "## Differential privacy" in report

@@ -5,7 +5,8 @@ The same noise multiplier is the same epsilon where every client takes part in e
 (Dirichlet 0.1); on cross-device a client's epsilon grows with its draws, which differ from
 run to run, and a level reports the most any of its runs spent. A seed that diverged has no
 accuracy: a difference is over the seeds both sides have, and says so when they are fewer
-than the report seeds."""
+than the report seeds; a side whose every seed diverged is named in the tables, and marked x
+on the plot's floor at the epsilon it spent."""
 
 from __future__ import annotations
 
@@ -76,6 +77,21 @@ def _difference(difference: dict[str, Any] | None) -> str:
     return points(difference) + (f" (seeds {seeds} only)" if fewer else "")
 
 
+def _undefined(rows: dict[str, dict[str, Any]], label: str, name: str, z: float) -> str:
+    """Why a paired difference has no value: a side whose every seed diverged, or none
+    measured (``-``)."""
+    def all_diverged(level: Level) -> bool:
+        return "per_seed" not in level and bool(level.get("diverged"))
+
+    if name == label:
+        return "-"
+    if all_diverged(rows[label]["levels"][z]):
+        return "diverged"
+    if name != "no DP" and all_diverged(rows.get(name, {}).get("levels", {}).get(z, {})):
+        return f"{name} diverged"
+    return "-"
+
+
 def _epsilon(levels: list[Level]) -> str:
     spent = [level["epsilon"] for level in levels if level.get("epsilon") is not None]
     return f"ε ≤ {max(spent):.3g}" if spent else "ε not recorded"
@@ -106,7 +122,8 @@ def privacy_tables(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
                     continue
                 found = differences(rows, label, z)
                 lines.append(f"| {label} | {z} | " + " | ".join(
-                    _difference(found.get(name))
+                    _difference(found[name]) if found.get(name) is not None
+                    else _undefined(rows, label, name, z)
                     for name in (*protocol.PRIVACY_REFERENCES, "no DP")) + " |")
         parts.append("\n".join(lines) + f"\n\n![{scenario}](matrix/privacy-{scenario}.png)\n")
     return "\n".join(parts)
@@ -130,9 +147,16 @@ def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> lis
             if "none" in row:
                 ax.axhline(row["none"]["accuracy"][0], color=style["color"], linestyle=":",
                            linewidth=0.8)
+        bottom = ax.get_ylim()[0]  # a level whose every seed diverged: an x on the floor
+        for index, row in enumerate(rows.values()):
+            lost = [level["epsilon"] for level in row["levels"].values()
+                    if "accuracy" not in level and level.get("diverged") and level.get("epsilon")]
+            if lost:
+                ax.scatter(lost, [bottom] * len(lost), marker="x", clip_on=False,
+                           color=row_style(index)["color"])
         ax.set(xscale="log", xlabel="epsilon spent (log; local DP)",
                ylabel="personalized accuracy (last 5 rounds)",
-               title=f"{scenario}: accuracy under DP (dotted: without DP)")
+               title=f"{scenario}: accuracy under DP (dotted: without DP; x: diverged)")
         ax.legend(fontsize=7)
         save(fig, out / "matrix" / f"privacy-{scenario}.png")
         written.append(f"privacy-{scenario}.png")
