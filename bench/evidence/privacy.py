@@ -154,6 +154,7 @@ def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> lis
             if lost:
                 ax.scatter(lost, [bottom] * len(lost), marker="x", clip_on=False,
                            color=row_style(index)["color"])
+        ax.set_ylim(bottom=bottom)
         ax.set(xscale="log", xlabel="epsilon spent (log; local DP)",
                ylabel="personalized accuracy (last 5 rounds)",
                title=f"{scenario}: accuracy under DP (dotted: without DP; x: diverged)")
