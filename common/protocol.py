@@ -161,12 +161,17 @@ class ClientReply:
         return RecordDict({ARRAYS: self.arrays, METRICS: self.metrics})
 
 
+# What every reason a reply is dropped for a value that is not finite (a metric, an array)
+# says: how a comparison tells a run whose clients diverged from one that lost them otherwise.
+NOT_FINITE = "not finite"
+
+
 def _finite_number(name: str, value: object) -> float:
     """A metric value: an int or float (not a bool, not a list), finite, in its range."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ReplyError(f"metric {name!r} must be a number, got {type(value).__name__}")
     if not math.isfinite(value):
-        raise ReplyError(f"metric {name!r} is not finite")
+        raise ReplyError(f"metric {name!r} is {NOT_FINITE}")
     low, high = METRIC_RANGES.get(name, (-math.inf, math.inf))
     if not low <= value <= high:
         raise ReplyError(f"metric {name!r} = {value} is outside [{low}, {high}]")
@@ -280,6 +285,6 @@ def check_arrays(arrays: ArrayRecord, expected: ArraySpec) -> ArrayRecord:
     for name, (shape, dtype) in expected.items():
         values = decode_array(name, arrays[name], shape, dtype)
         if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
-            raise ReplyError(f"{name!r} has non-finite values")
+            raise ReplyError(f"{name!r} has values that are {NOT_FINITE}")
         checked[name] = Array(values)
     return ArrayRecord(checked)

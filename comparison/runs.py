@@ -33,7 +33,8 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from comparison.stats import LAST_ROUNDS, comparable_config, summarize_run
+from common.protocol import NOT_FINITE
+from comparison.stats import LAST_ROUNDS, comparable_config, spent_privacy, summarize_run
 
 
 class RunOutcome(Protocol):
@@ -101,6 +102,8 @@ class RunStore:
         if self.runner is None or not may_run:
             return None
         out = Path(run_config["output-dir"])
+        # a run that dies before writing its own must not be read as the run before it
+        (out / "results.json").unlink(missing_ok=True)
         stamp = self.stamp() if self.stamp else {}  # the code the run starts with
         print(f"{self.prefix}{name}: running", flush=True)
         started = time.monotonic()
@@ -109,18 +112,20 @@ class RunStore:
         entry = {**(about or {}), "run_config": run_config,
                  "resolved_config": self.resolved(run_config), **context, **stamp,
                  "wall_seconds": wall}
-        reason = divergence(out)
+        results = read_results(out)
+        reason = divergence(results, completed=run.ok)
         if not run.ok or reason is not None:
             if not diverged_is_result or reason is None:
                 why = reason or run.reason or run.status or "did not start"
                 self.failed.append(f"{name}: {why}")
-                print(run.output[-3000:], file=sys.stderr)
+                if not run.ok:
+                    print(run.output[-3000:], file=sys.stderr)
                 print(f"{self.prefix}{name}: run failed ({why}); not stored, the next "
                       "invocation tries it again", file=sys.stderr, flush=True)
                 return None
-            entry.update(status="diverged", reason=reason, **spent_budget(out))
+            entry.update(status="diverged", reason=reason, **spent_privacy(results))
         else:
-            entry.update(summarize_run(json.loads((out / "results.json").read_text())))
+            entry.update(summarize_run(results))
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(entry, indent=1))
         figures = (f"diverged ({entry['reason']})" if "reason" in entry else
@@ -129,41 +134,38 @@ class RunStore:
         return entry
 
 
-def divergence(out: Path) -> str | None:
-    """Why the run under ``out`` diverged, or None where it did not (a run that failed
-    otherwise, on a crash or a timeout, did not diverge): it failed because no reply was left
-    whose losses and arrays were finite, or it lost clients to non-finite values in the
-    rounds its figure is computed on (``lost_to_non_finite``)."""
+def read_results(out: Path) -> dict[str, Any]:
+    """The results.json a run wrote under ``out``; empty where it wrote none."""
     path = out / "results.json"
-    if not path.exists():
-        return None
-    results = json.loads(path.read_text())
-    if results.get("status") == "failed":
-        reason = str(results.get("reason", ""))
-        return reason if "not finite" in reason else None
-    return lost_to_non_finite(results)
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
-def spent_budget(out: Path) -> dict[str, Any]:
-    """``{"privacy": ...}``: what a run under DP spent by its end (a diverged run spent it
-    too), or nothing."""
-    final = json.loads((out / "results.json").read_text()).get("final", {})
-    return {"privacy": final["privacy"]} if "privacy" in final else {}
+def divergence(results: Mapping[str, Any], *, completed: bool) -> str | None:
+    """Why a run diverged, from its ``results`` (``read_results``) and whether the run
+    ``completed``; None where it did not diverge (a crash or a timeout is no divergence):
+    it failed because no reply was left whose values were finite, or it completed but lost
+    clients to values that were not finite in the rounds its figure is computed on
+    (``lost_to_non_finite``)."""
+    if completed:
+        return lost_to_non_finite(results) if results.get("status") == "completed" else None
+    reason = str(results.get("reason", ""))
+    return reason if results.get("status") == "failed" and NOT_FINITE in reason else None
 
 
 def lost_to_non_finite(results: Mapping[str, Any]) -> str | None:
-    """Which clients' replies were dropped as not finite from the first of the last
-    ``LAST_ROUNDS`` evaluated rounds on (training or evaluation), as one line; None where
-    none was."""
+    """The clients whose replies were dropped as not finite (training or evaluation) from
+    the first of the last ``LAST_ROUNDS`` evaluated rounds on, as one line; None where none
+    was."""
     rounds = results.get("rounds", [])
     evaluated = [r["round"] for r in rounds if "eval" in r]
     if not evaluated:
         return None
     first = evaluated[-LAST_ROUNDS:][0]
-    lost = {d.get("client"): d["reason"] for r in rounds if r["round"] >= first
-            for d in r.get("dropped", []) if "not finite" in d.get("reason", "")}
+    lost = [d for r in rounds if r["round"] >= first for d in r.get("dropped", [])
+            if NOT_FINITE in d.get("reason", "")]
     if not lost:
         return None
-    return (f"rounds {first}-{rounds[-1]['round']}: the replies of {len(lost)} client(s) "
-            f"were not finite ({sorted(set(lost.values()))[0]}); the accuracy would be "
-            "over the others")
+    clients = len({d.get("client", "?") for d in lost})
+    return (f"rounds {first}-{rounds[-1]['round']}: the replies of {clients} client(s) were "
+            f"not finite ({min(d['reason'] for d in lost)}); the accuracy would be over the "
+            "others")

@@ -80,13 +80,19 @@ def summarize_run(results: Mapping[str, Any]) -> dict[str, Any]:
         "accuracy_min_per_round": [r["eval"]["accuracy_min"] for r in evaluated],
         "mb_up_per_round": [r["bytes_up"] / MB for r in results["rounds"]],
     }
-    if "privacy" in final:  # what the run spent under DP (docs/privacy.md)
-        summary["privacy"] = final["privacy"]
+    summary.update(spent_privacy(results))
     if evaluated and all("accuracy_task_mean" in r["eval"] for r in evaluated):
         summary["accuracy_task_per_round"] = [r["eval"]["accuracy_task_mean"] for r in evaluated]
         summary["accuracy_task_mean"] = final.get("accuracy_task_mean",
                                                   summary["accuracy_task_per_round"][-1])
     return summary
+
+
+def spent_privacy(results: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"privacy": ...}``: what a run under DP spent by its end (docs/privacy.md), whether
+    it completed or diverged; nothing without DP."""
+    final = results.get("final", {})
+    return {"privacy": final["privacy"]} if "privacy" in final else {}
 
 
 def last_rounds_mean(curve: Sequence[float], rounds: int = LAST_ROUNDS) -> float:

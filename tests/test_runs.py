@@ -119,28 +119,49 @@ def _rounds(n: int, dropped: dict[int, list[dict[str, str]]]) -> dict[str, Any]:
 
 
 NAN = {"stage": "train", "client": "3", "reason": "metric 'train-loss' is not finite"}
+NAN_ARRAY = {"stage": "train", "client": "4", "reason": "'w' has values that are not finite"}
 LATE = {"stage": "evaluate", "client": "3", "reason": "no reply within round-timeout"}
 
 
 def test_a_run_that_lost_clients_to_non_finite_values_in_its_last_rounds_diverged(tmp_path):
     """Its accuracy would be over the clients that survived (local DP at noise 1.0 left
     one client, whose accuracy 1.0 was the run's): a divergence, never a figure."""
-    lost = _rounds(10, {8: [NAN]})  # in the last LAST_ROUNDS evaluated rounds (6-10)
+    # rounds 6-10 are the figure's (the last LAST_ROUNDS evaluated): 6 is the first of them
+    lost = _rounds(10, {6: [NAN], 9: [NAN_ARRAY]})
     lost["final"] = {**lost["final"], "privacy": {"epsilon": 110.0, "delta": 0.04}}
     store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(lost))
     record = tmp_path / "z1.json"
     assert store.get(record, config(tmp_path), name="z 1") is None and not record.exists()
-    assert store.failed[0].startswith("z 1: rounds 6-10: the replies of 1 client(s) were "
-                                      "not finite (metric 'train-loss' is not finite)")
+    assert store.failed[0].startswith("z 1: rounds 6-10: the replies of 2 client(s) were "
+                                      "not finite")
     kept = store.get(record, config(tmp_path), name="z 1", diverged_is_result=True)
     assert kept["status"] == "diverged" and "accuracy_weighted" not in kept
     assert kept["privacy"]["epsilon"] == 110.0  # what it spent, diverged or not
     # a client lost before the figure's rounds, or lost to a timeout, leaves a figure
-    for results in (_rounds(10, {5: [NAN]}), _rounds(10, {9: [LATE]})):
-        other = tmp_path / f"other{len(store.failed)}.json"
+    for index, results in enumerate((_rounds(10, {5: [NAN]}), _rounds(10, {9: [LATE]}))):
         store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(results))
-        assert store.get(other, config(tmp_path), name="x")["accuracy_weighted"] == 0.5
-        assert store.failed == []
+        got = store.get(tmp_path / f"other{index}.json", config(tmp_path), name="x")
+        assert got["accuracy_weighted"] == 0.5 and store.failed == []
+
+
+class DyingRunner:
+    """A run that dies before writing results.json (a timeout, a crash), its folder holding
+    the results.json of the run before it."""
+
+    def __call__(self, run_config: dict[str, Any], context: dict[str, Any]) -> Ended:
+        return Ended(False, "finished:failed", "timed out")
+
+
+def test_a_run_that_died_is_never_read_as_the_run_before_it(tmp_path):
+    """The folder's earlier results.json (a run that lost a client to NaN, say) is not this
+    run's: a crash or a timeout is a failure, never stored, even where divergence is one."""
+    before = tmp_path / "run" / "results.json"
+    before.parent.mkdir()
+    before.write_text(json.dumps({**_rounds(10, {9: [NAN]}), "status": "running"}))
+    store = RunStore(app_defaults(ROOT), REGISTRY, DyingRunner())
+    record = tmp_path / "died.json"
+    assert store.get(record, config(tmp_path), name="died", diverged_is_result=True) is None
+    assert store.failed == ["died: timed out"] and not record.exists()
 
 
 def test_without_a_runner_or_leave_to_run_nothing_runs(tmp_path):

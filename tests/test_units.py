@@ -144,7 +144,7 @@ def _expected_spec() -> dict:
 @pytest.mark.parametrize(("value", "reason"), [
     (np.zeros((3, 2), np.float32), "shape"),
     (np.zeros((2, 3), np.float64), "dtype"),
-    (np.full((2, 3), np.inf, np.float32), "non-finite"),
+    (np.full((2, 3), np.inf, np.float32), "values that are not finite"),
 ])
 def test_reply_validation_rejects(value, reason):
     expected = _expected_spec()
