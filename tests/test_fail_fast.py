@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from common.record import RoundRecord
+from comparison.runs import divergence
+from strategies.engine.replies import DivergenceWatch, RunFailedError
 from tests.conftest import copy_app, read_mlflow_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,6 +209,44 @@ def test_every_client_failing_in_round_3_stops_the_run_in_round_3(tmp_path, fede
         (r["round"], r["eval"]["accuracy_weighted"]) for r in results["rounds"] if "eval" in r]
     logged = json.loads((artifacts / "results.json").read_text())
     assert (logged["status"], logged["reason"]) == ("failed", reason)
+
+
+@pytest.mark.integration
+def test_training_that_diverges_everywhere_stops_the_run_after_three_rounds(tmp_path,
+                                                                           federation):
+    """lr 1e6: every client's loss overflows from round 1 on. The run stops at round 3 of 8,
+    failed, with a reason the compare command and the matrix read as a divergence."""
+    out = tmp_path / "out"
+    done, _, _ = demo("num-server-rounds=8", "local-epochs=1", "lr=1e6", "plot=false",
+                      f"output-dir={out}", supernodes=3, ray_address=federation.ray_address)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    results = _results(out)
+    reason = ("rounds 1-3: no training update was accepted, 3 in round 3 not finite: "
+              "training diverged")
+    assert (results["status"], results["reason"]) == ("failed", reason)
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+    assert "[round 4/8]" not in done.stdout
+    assert divergence(results, completed=False) == reason
+
+
+def test_divergence_is_three_rounds_in_a_row_of_at_least_min_nodes_lost_to_nan():
+    """One node sending NaN (a hostile or broken site), or a round with an update
+    accepted, never stops a run."""
+    def record(*nodes: int) -> RoundRecord:
+        return RoundRecord(dropped=[
+            {"stage": "train", "node": n, "client": str(n),
+             "reason": "metric 'train-loss' is not finite"} for n in nodes])
+
+    watch = DivergenceWatch(min_nodes=2)
+    for server_round in range(1, 6):  # one node only
+        watch.after_training(server_round, record(7), accepted=0)
+    watch.after_training(6, record(1, 2), accepted=0)
+    watch.after_training(7, record(1, 2), accepted=0)
+    watch.after_training(8, record(1, 2), accepted=1)  # an update got through: again
+    watch.after_training(9, record(1, 2), accepted=0)
+    watch.after_training(10, record(1, 2), accepted=0)
+    with pytest.raises(RunFailedError, match=r"^rounds 9-11: .* 2 in round 11 not finite"):
+        watch.after_training(11, record(1, 2), accepted=0)
 
 
 @pytest.mark.integration

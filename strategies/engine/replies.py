@@ -6,7 +6,8 @@ checks each reply's envelope (``common.protocol.parse_reply``) and, where arrays
 expected, their keys, shapes, dtypes and values against the method's wire spec; a reply
 that fails is dropped with its reason (log and ``dropped`` in results.json), a node that
 did not reply in time likewise, and the round goes on with the rest, unless every reply failed
-in the same way (``stop_if_every_reply_failed``): then the run stops with that reason.
+in the same way (``stop_if_every_reply_failed``): then the run stops with that reason; or
+unless training has diverged everywhere (``DivergenceWatch``): then it stops as diverged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flwr.app import Message
 
 from common.config import RunSettings
 from common.protocol import (
+    NOT_FINITE,
     ArraySpec,
     ClientReply,
     ReplyError,
@@ -29,6 +31,7 @@ from common.protocol import (
     shared_failure,
     shown,
 )
+from common.record import RoundRecord
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.exchange import Exchange
 from strategies.engine.identity import NodeDirectory
@@ -59,6 +62,40 @@ def stop_if_every_reply_failed(exchange_name: str, through_round: int, batch: Ex
     if reason is not None:
         raise RunFailedError(f"{exchange_name}: all {len(replies)} clients that replied "
                              f"failed: {reason}", through_round)
+
+
+# Rounds in a row with no training update accepted and at least min-nodes dropped as not
+# finite, after which a run stops as diverged: every client trains again from the same shared
+# arrays, and of the evidence matrix's runs none came back after three.
+DIVERGED_ROUNDS = 3
+
+
+class DivergenceWatch:
+    """Stops a run whose training diverged everywhere: ``DIVERGED_ROUNDS`` rounds in a row in
+    which no training update was accepted and at least ``min_nodes`` nodes' were dropped as
+    not finite (going on would only repeat it). A round with an update accepted, or fewer
+    such drops (one broken or hostile site), starts the count again. The count is not in the
+    checkpoint: a resumed run counts afresh."""
+
+    def __init__(self, min_nodes: int) -> None:
+        self.min_nodes = min_nodes
+        self.first: int | None = None  # the first round of the rounds in a row so far
+
+    def after_training(self, server_round: int, record: RoundRecord, accepted: int) -> None:
+        """Round ``server_round`` trained (``record``: its drops), ``accepted`` updates
+        merged: raise ``RunFailedError`` (its reason says "not finite") at the
+        ``DIVERGED_ROUNDS``-th such round in a row."""
+        nodes = {d["node"] for d in record.dropped
+                 if d["stage"] == "train" and NOT_FINITE in d["reason"]}
+        if accepted or len(nodes) < self.min_nodes:
+            self.first = None
+            return
+        self.first = server_round if self.first is None else self.first
+        if server_round - self.first + 1 >= DIVERGED_ROUNDS:
+            raise RunFailedError(
+                f"rounds {self.first}-{server_round}: no training update was accepted, "
+                f"{len(nodes)} in round {server_round} {NOT_FINITE}: training diverged",
+                server_round)
 
 
 Drop = Callable[[int, str, str], None]

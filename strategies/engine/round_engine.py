@@ -21,7 +21,8 @@ loop, with checkpoints, is ``server_app/rounds.py``):
    round's record is now complete); stop the run if every reply failed the same way;
 6. **merge** (the rule's ``merge_updates``; under central DP its mean is the noised one of
    ``PrivacyLedger.merge``) and record the round (``RoundLedger``: bytes, CPU, drops, loss;
-   ``PrivacyLedger.account``: the privacy spent);
+   ``PrivacyLedger.account``: the privacy spent); stop the run if training diverged
+   everywhere (``DivergenceWatch``);
 7. **draw** the clients that evaluate this round (fused evaluation: asked next round).
 
 The engine builds its collaborators and passes them to each other; the rule sees the run
@@ -50,7 +51,7 @@ from strategies.engine.evaluation import PendingEvaluation
 from strategies.engine.exchange import Exchange, Messenger
 from strategies.engine.identity import NodeDirectory
 from strategies.engine.privacy import PrivacyLedger
-from strategies.engine.replies import ReplyCheck, stop_if_every_reply_failed
+from strategies.engine.replies import DivergenceWatch, ReplyCheck, stop_if_every_reply_failed
 from strategies.engine.robust import ExampleCounts
 from strategies.engine.round_plan import (
     Drawn,
@@ -78,6 +79,7 @@ class RoundEngine(Generic[MethodSettingsT]):
         self.privacy = PrivacyLedger(settings)
         self.sampler = self.privacy.sampler()
         self.replies = ReplyCheck(settings, self.ledger, self.nodes, self.example_counts)
+        self.divergence = DivergenceWatch(settings.min_nodes)
         # the rule is built last (it needs the context), and reached through these two
         self.messenger = Messenger(settings, self.ledger,
                                    lambda *args: self.rule.downlink(*args))
@@ -158,6 +160,8 @@ class RoundEngine(Generic[MethodSettingsT]):
             spent = self.privacy.account(updated is not None)
             if spent is not None:
                 self.ledger.report(server_round, "privacy", spent)
+            self.divergence.after_training(server_round, self.ledger.record(server_round),
+                                           len(replies.updates))
         if self.settings.fused_evaluation:
             with self.ledger.server_cpu(server_round):
                 self.evaluation.draw(self.admit_and_sample(
