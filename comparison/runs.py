@@ -118,7 +118,7 @@ class RunStore:
             if not diverged_is_result or reason is None:
                 why = reason or run.reason or run.status or "did not start"
                 self.failed.append(f"{name}: {why}")
-                if not run.ok:
+                if reason is None:  # a crash or a timeout: what the run printed says why
                     print(run.output[-3000:], file=sys.stderr)
                 print(f"{self.prefix}{name}: run failed ({why}); not stored, the next "
                       "invocation tries it again", file=sys.stderr, flush=True)

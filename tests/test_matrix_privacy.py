@@ -9,7 +9,7 @@ import pytest
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
-from bench.evidence.privacy import privacy_stats, privacy_tables
+from bench.evidence.privacy import level_epsilons, privacy_stats, privacy_tables
 from bench.evidence.protocol import SCENARIOS
 from bench.evidence.report import write_report
 from tests.test_matrix import COMMON_DIGITS, _store
@@ -63,8 +63,9 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
             _store(matrix, SCENARIO, _entry(label), config, [0.9] * 2, stage="report", seed=seed)
             _store_private(matrix, label, config, 0.1, seed, accuracy, epsilon=40.0 + seed)
             if label != "feddecomp":  # at 1.0 FedAvg diverged on both seeds, FedPer did not
-                _store_private(matrix, label, config, 1.0, seed,
-                               None if label == "fedavg" else 0.3, epsilon=4.0)
+                _store_private(matrix, label, config, 1.0, seed,  # diverged: stopped early
+                               None if label == "fedavg" else 0.3,
+                               epsilon=2.0 if label == "fedavg" else 4.0)
 
     stats = privacy_stats(matrix)[SCENARIO]
     assert stats["fedavg"]["levels"][0.1]["epsilon"] == 42.0  # every run's guarantee: the most
@@ -81,6 +82,8 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
     assert ("| feddecomp | 0.1 | +10.0 (seeds 1 only) | -10.0 (seeds 1 only) | -30.0 (seeds 1 "
             "only) |") in tables
 
+    # a level's epsilon is the most any row spent at it (FedAvg stopped early, spending less)
+    assert level_epsilons(stats) == {0.1: 42.0, 1.0: 4.0} and "z = 1.0 (ε ≤ 4)" in tables
     # a side that diverged on every seed is named, not left blank
     assert "| fedavg | 1.0 | - | diverged | diverged |" in tables
     assert "| fedper | 1.0 | fedavg diverged | - | -60.0 [-60.0, -60.0] |" in tables

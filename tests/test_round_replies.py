@@ -25,6 +25,7 @@ from server_app.rounds import run_rounds
 from server_app.tracking import Tracking
 from strategies.engine import RoundEngine, RoundPlan
 from strategies.engine.exchange import Exchange
+from strategies.engine.replies import DivergenceWatch, RunFailedError
 from strategies.registry import REGISTRY, initial_state, load_settings
 from tests.conftest import app_config, make_client
 
@@ -114,3 +115,37 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
     run_rounds(None, engine, recorder, arrays, 4, 3, ["1"])
     assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 3]
     assert engine.evaluation_pending() is False
+
+
+def _dropped(*drops: tuple[int, str, str]) -> RoundRecord:
+    """A round's record with (node, stage, reason) drops."""
+    return RoundRecord(dropped=[{"stage": stage, "node": node, "client": str(node),
+                                 "reason": reason} for node, stage, reason in drops])
+
+
+NAN_LOSS = "metric 'train-loss' is not finite"
+NAN_ARRAY = "'w' has values that are not finite"
+
+
+def test_a_run_stops_as_diverged_after_three_rounds_of_only_non_finite_training():
+    """Three rounds in a row with no update accepted and at least min-nodes nodes dropped
+    from training as not finite. One node sending NaN (a hostile or broken site), a round
+    with an update accepted, nodes that timed out or whose evaluation alone was not finite,
+    never stop a run; a node dropped twice counts once."""
+    watch = DivergenceWatch(min_nodes=2)
+    for server_round in range(1, 4):  # one node only, twice (its update, its evaluation)
+        watch.after_round(server_round, _dropped((7, "train", NAN_LOSS),
+                                                 (7, "train", NAN_ARRAY)), accepted=0)
+    for server_round in range(4, 7):  # timeouts and evaluations do not count
+        watch.after_round(server_round, _dropped(
+            (1, "train", NAN_LOSS), (2, "train", "no reply within round-timeout"),
+            (3, "evaluate", "metric 'eval-loss' is not finite")), accepted=0)
+    both = _dropped((1, "train", NAN_LOSS), (2, "train", NAN_ARRAY))
+    watch.after_round(7, both, accepted=0)
+    watch.after_round(8, both, accepted=0)
+    watch.after_round(9, both, accepted=1)  # an update got through: the count starts again
+    watch.after_round(10, both, accepted=0)
+    watch.after_round(11, both, accepted=0)
+    with pytest.raises(RunFailedError, match=r"^rounds 10-12: .* 2 dropped in round 12 as "
+                                             r"not finite: the run diverged$"):
+        watch.after_round(12, both, accepted=0)

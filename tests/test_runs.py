@@ -157,11 +157,13 @@ def test_a_run_that_died_is_never_read_as_the_run_before_it(tmp_path):
     run's: a crash or a timeout is a failure, never stored, even where divergence is one."""
     before = tmp_path / "run" / "results.json"
     before.parent.mkdir()
-    before.write_text(json.dumps({**_rounds(10, {9: [NAN]}), "status": "running"}))
+    before.write_text(json.dumps({"status": "failed", "reason": "round 9: metric 'loss' is "
+                                  "not finite", "final": {"privacy": {"epsilon": 9.0}}}))
     store = RunStore(app_defaults(ROOT), REGISTRY, DyingRunner())
     record = tmp_path / "died.json"
     assert store.get(record, config(tmp_path), name="died", diverged_is_result=True) is None
     assert store.failed == ["died: timed out"] and not record.exists()
+    assert not before.exists()
 
 
 def test_without_a_runner_or_leave_to_run_nothing_runs(tmp_path):

@@ -237,7 +237,7 @@ def attack_runs(federation, tmp_path_factory):
         # diverges, and the run says so (failed) after three such rounds, or, where fewer
         # are left, no finite evaluation is left after its last round
         wrecked = (attack is not None and option == "mean" and run.status == "finished:failed"
-                   and (results["reason"].endswith("training diverged")
+                   and (results["reason"].endswith("the run diverged")
                         or results["reason"].startswith("round 6: no client's evaluation"))
                    and len(results["rounds"]) <= 6)
         assert run.ok or wrecked, run.output[-3000:]

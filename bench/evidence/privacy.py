@@ -6,7 +6,9 @@ The same noise multiplier is the same epsilon where every client takes part in e
 run to run, and a level reports the most any of its runs spent. A seed that diverged has no
 accuracy: a difference is over the seeds both sides have, and says so when they are fewer
 than the report seeds; a side whose every seed diverged is named in the tables, and marked x
-on the plot's floor at the epsilon it spent."""
+on the plot's floor. A run that diverged stops early (three rounds of nothing but non-finite
+replies) and spends less: a level's epsilon, in a table's header and on the plot, is the most
+any row's run spent at it."""
 
 from __future__ import annotations
 
@@ -92,9 +94,12 @@ def _undefined(rows: dict[str, dict[str, Any]], label: str, name: str, z: float)
     return "-"
 
 
-def _epsilon(levels: list[Level]) -> str:
-    spent = [level["epsilon"] for level in levels if level.get("epsilon") is not None]
-    return f"ε ≤ {max(spent):.3g}" if spent else "ε not recorded"
+def level_epsilons(rows: dict[str, dict[str, Any]]) -> dict[float, float | None]:
+    """Noise multiplier -> the most epsilon any row's run spent at it (None: not recorded)."""
+    levels = sorted({z for row in rows.values() for z in row["levels"]})
+    return {z: max((row["levels"][z]["epsilon"] for row in rows.values()
+                    if row["levels"].get(z, {}).get("epsilon") is not None), default=None)
+            for z in levels}
 
 
 def privacy_tables(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -102,10 +107,10 @@ def privacy_tables(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
     multiplier, then every paired difference with its 95% interval."""
     parts = []
     for scenario, rows in stats.items():
-        levels = sorted({z for row in rows.values() for z in row["levels"]})
-        spent = {z: _epsilon([row["levels"][z] for row in rows.values() if z in row["levels"]])
-                 for z in levels}
-        header = " | ".join(f"z = {z} ({spent[z]})" for z in levels)
+        spent = level_epsilons(rows)
+        levels = list(spent)
+        header = " | ".join(f"z = {z} (ε ≤ {epsilon:.3g})" if epsilon is not None
+                            else f"z = {z} (ε not recorded)" for z, epsilon in spent.items())
         lines = [f"### {scenario}\n", f"| row | no DP | {header} |",
                  "|---|---|" + "---|" * len(levels)]
         for label, row in rows.items():
@@ -148,9 +153,10 @@ def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> lis
                 ax.axhline(row["none"]["accuracy"][0], color=style["color"], linestyle=":",
                            linewidth=0.8)
         bottom = ax.get_ylim()[0]  # a level whose every seed diverged: an x on the floor
+        spent = level_epsilons(rows)
         for index, row in enumerate(rows.values()):
-            lost = [level["epsilon"] for level in row["levels"].values()
-                    if "accuracy" not in level and level.get("diverged") and level.get("epsilon")]
+            lost = [spent[z] for z, level in row["levels"].items()
+                    if "accuracy" not in level and level.get("diverged") and spent[z]]
             if lost:
                 ax.scatter(lost, [bottom] * len(lost), marker="x", clip_on=False,
                            color=row_style(index)["color"])

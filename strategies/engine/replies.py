@@ -81,10 +81,11 @@ class DivergenceWatch:
         self.min_nodes = min_nodes
         self.first: int | None = None  # the first round of the rounds in a row so far
 
-    def after_training(self, server_round: int, record: RoundRecord, accepted: int) -> None:
-        """Round ``server_round`` trained (``record``: its drops), ``accepted`` updates
-        merged: raise ``RunFailedError`` (its reason says "not finite") at the
-        ``DIVERGED_ROUNDS``-th such round in a row."""
+    def after_round(self, server_round: int, record: RoundRecord, accepted: int) -> None:
+        """Round ``server_round`` trained (``record``: its drops; a training reply whose
+        fused evaluation is not finite is dropped whole), ``accepted`` updates merged: raise
+        ``RunFailedError`` (its reason says "not finite") at the ``DIVERGED_ROUNDS``-th such
+        round in a row."""
         nodes = {d["node"] for d in record.dropped
                  if d["stage"] == "train" and NOT_FINITE in d["reason"]}
         if accepted or len(nodes) < self.min_nodes:
@@ -94,7 +95,8 @@ class DivergenceWatch:
         if server_round - self.first + 1 >= DIVERGED_ROUNDS:
             raise RunFailedError(
                 f"rounds {self.first}-{server_round}: no training update was accepted, "
-                f"{len(nodes)} in round {server_round} {NOT_FINITE}: training diverged",
+                f"{len(nodes)} dropped in round {server_round} as {NOT_FINITE}: the run "
+                "diverged",
                 server_round)
 
 

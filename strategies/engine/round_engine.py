@@ -160,8 +160,8 @@ class RoundEngine(Generic[MethodSettingsT]):
             spent = self.privacy.account(updated is not None)
             if spent is not None:
                 self.ledger.report(server_round, "privacy", spent)
-            self.divergence.after_training(server_round, self.ledger.record(server_round),
-                                           len(replies.updates))
+            self.divergence.after_round(server_round, self.ledger.record(server_round),
+                                        len(replies.updates))
         if self.settings.fused_evaluation:
             with self.ledger.server_cpu(server_round):
                 self.evaluation.draw(self.admit_and_sample(
