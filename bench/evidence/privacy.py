@@ -63,9 +63,14 @@ def differences(rows: dict[str, dict[str, Any]], label: str, z: float
     return out
 
 
+def all_diverged(level: Level) -> bool:
+    """Whether every seed of ``level`` diverged: it has seeds, none with an accuracy."""
+    return "accuracy" not in level and bool(level.get("diverged"))
+
+
 def _figure(level: Level) -> str:
     if "accuracy" not in level:
-        return "diverged" if level.get("diverged") else "-"
+        return "diverged" if all_diverged(level) else "-"
     mean, std = level["accuracy"]
     diverged = f", {len(level['diverged'])} diverged" if level.get("diverged") else ""
     return f"{mean:.4f} ± {std:.4f}{diverged}"
@@ -82,9 +87,6 @@ def _difference(difference: dict[str, Any] | None) -> str:
 def _undefined(rows: dict[str, dict[str, Any]], label: str, name: str, z: float) -> str:
     """Why a paired difference has no value: a side whose every seed diverged, or none
     measured (``-``)."""
-    def all_diverged(level: Level) -> bool:
-        return "per_seed" not in level and bool(level.get("diverged"))
-
     if name == label:
         return "-"
     if all_diverged(rows[label]["levels"][z]):
@@ -156,7 +158,7 @@ def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> lis
         spent = level_epsilons(rows)
         for index, row in enumerate(rows.values()):
             lost = [spent[z] for z, level in row["levels"].items()
-                    if "accuracy" not in level and level.get("diverged") and spent[z]]
+                    if all_diverged(level) and spent[z]]
             if lost:
                 ax.scatter(lost, [bottom] * len(lost), marker="x", clip_on=False,
                            color=row_style(index)["color"])
