@@ -7,13 +7,13 @@ The strategy fills a ``RoundRecord`` per round; ``RoundRecord.entry`` is the rou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from common.protocol import client_order
+from common.protocol import NOT_FINITE, client_order
 
 
 @dataclass
@@ -88,3 +88,22 @@ def personalized_stats(per_client: dict[str, tuple[float, int]],
         if len(task) < len(per_client):
             stats["accuracy_task_num_clients"] = len(task)
     return stats
+
+
+def lost_to_non_finite(rounds: Sequence[Mapping[str, Any]], last_evaluated: int) -> str | None:
+    """From a run's round entries (``results.json``'s ``rounds``): the clients whose replies
+    were dropped as not finite (training or evaluation) from the first of the last
+    ``last_evaluated`` evaluated rounds on, as one line ("rounds a-b: the replies of N
+    client(s) were not finite (the first reason)"); None where none was. An accuracy over
+    those rounds is over the other clients only: the run has (partly) diverged."""
+    evaluated = [r["round"] for r in rounds if "eval" in r]
+    if not evaluated:
+        return None
+    first = evaluated[-last_evaluated:][0]
+    lost = [d for r in rounds if r["round"] >= first for d in r.get("dropped", [])
+            if NOT_FINITE in d.get("reason", "")]
+    if not lost:
+        return None
+    clients = len({d.get("client", "?") for d in lost})
+    return (f"rounds {first}-{rounds[-1]['round']}: the replies of {clients} client(s) were "
+            f"not finite ({min(d['reason'] for d in lost)})")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from common.protocol import NOT_FINITE
+from common.record import lost_to_non_finite
 from comparison.stats import LAST_ROUNDS, comparable_config, spent_privacy, summarize_run
 
 
@@ -145,27 +146,11 @@ def divergence(results: Mapping[str, Any], *, completed: bool) -> str | None:
     ``completed``; None where it did not diverge (a crash or a timeout is no divergence):
     it failed because no reply was left whose values were finite, or it completed but lost
     clients to values that were not finite in the rounds its figure is computed on
-    (``lost_to_non_finite``)."""
+    (its last ``LAST_ROUNDS`` evaluated ones)."""
     if completed:
-        return lost_to_non_finite(results) if results.get("status") == "completed" else None
+        lost = (lost_to_non_finite(results.get("rounds", []), LAST_ROUNDS)
+                if results.get("status") == "completed" else None)
+        return f"{lost}; the accuracy would be over the others" if lost else None
     reason = str(results.get("reason", ""))
     return reason if results.get("status") == "failed" and NOT_FINITE in reason else None
 
-
-def lost_to_non_finite(results: Mapping[str, Any]) -> str | None:
-    """The clients whose replies were dropped as not finite (training or evaluation) from
-    the first of the last ``LAST_ROUNDS`` evaluated rounds on, as one line; None where none
-    was."""
-    rounds = results.get("rounds", [])
-    evaluated = [r["round"] for r in rounds if "eval" in r]
-    if not evaluated:
-        return None
-    first = evaluated[-LAST_ROUNDS:][0]
-    lost = [d for r in rounds if r["round"] >= first for d in r.get("dropped", [])
-            if NOT_FINITE in d.get("reason", "")]
-    if not lost:
-        return None
-    clients = len({d.get("client", "?") for d in lost})
-    return (f"rounds {first}-{rounds[-1]['round']}: the replies of {clients} client(s) were "
-            f"not finite ({min(d['reason'] for d in lost)}); the accuracy would be over the "
-            "others")

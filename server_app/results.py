@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ from flwr.common.logger import log
 
 from common.config import RunSettings
 from common.durable import write_json
+from common.record import lost_to_non_finite
 from server_app.tracking import Tracking
 
 if TYPE_CHECKING:  # the launcher reads CHECKPOINT from here without importing PyTorch
@@ -164,6 +165,11 @@ class ResultsRecorder:
             final["seconds_total"], _privacy(final.get("privacy")))
         if self.reason:
             log(INFO, "[final] training stopped early: %s", self.reason)
+        if lost := lost_to_non_finite(self.rounds, 1):
+            # the run went on without them (one site never stops a run), so the figure
+            # above is over the clients left: say so where the figure is read
+            log(WARNING, "[final] %s: the accuracy above is over the other clients only "
+                "(where training diverged, a lower lr or less DP noise helps)", lost)
         per_client = next((r["eval"]["per_client"] for r in reversed(self.rounds)
                            if "eval" in r), {})
         log(INFO, "[final] %-12s %s", "client", "accuracy")

@@ -111,6 +111,12 @@ def test_bad_replies_are_dropped_and_logged_and_the_run_completes(federation, tm
         assert entry["eval"]["num_clients"] == 4  # evaluation still reaches everyone
     assert run.output.count("dropped reply of node") >= 4
     assert "values that are not finite" in run.output
+    # the final figure is over the clients left, and the run says so beside it
+    last = results["rounds"][-1]["round"]
+    warning = [line for line in run.output.splitlines()
+               if f"[final] rounds {last}-{last}: the replies of 1 client(s) were not finite"
+               in line]
+    assert warning and "the accuracy above is over the other clients only" in warning[0]
 
 
 @pytest.mark.parametrize(("key", "value", "allowed"), [
