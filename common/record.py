@@ -90,20 +90,27 @@ def personalized_stats(per_client: dict[str, tuple[float, int]],
     return stats
 
 
-def lost_to_non_finite(rounds: Sequence[Mapping[str, Any]], last_evaluated: int) -> str | None:
+def lost_to_non_finite(rounds: Sequence[Mapping[str, Any]], last_evaluated: int,
+                       stage: str | None = None) -> str | None:
     """From a run's round entries (``results.json``'s ``rounds``): the clients whose replies
-    were dropped as not finite (training or evaluation) from the first of the last
-    ``last_evaluated`` evaluated rounds on, as one line ("rounds a-b: the replies of N
-    client(s) were not finite (the first reason)"); None where none was. An accuracy over
-    those rounds is over the other clients only: the run has (partly) diverged."""
+    were dropped as not finite (at ``stage``, ``train`` or ``evaluate``; at either where
+    None) from the first of the last ``last_evaluated`` evaluated rounds on, as one line
+    ("rounds a-b: the replies of N client(s) were not finite (a reason)", or "round b: ...",
+    the reason the least in sort order: the line does not depend on the order of the drops);
+    None where none was. A client dropped at evaluation is missing from those rounds' accuracy; one
+    dropped at training is not, but its update was left out."""
+    if last_evaluated < 1:
+        raise ValueError(f"last_evaluated must be at least 1, not {last_evaluated}")
     evaluated = [r["round"] for r in rounds if "eval" in r]
     if not evaluated:
         return None
     first = evaluated[-last_evaluated:][0]
     lost = [d for r in rounds if r["round"] >= first for d in r.get("dropped", [])
-            if NOT_FINITE in d.get("reason", "")]
+            if NOT_FINITE in d.get("reason", "") and stage in (None, d.get("stage"))]
     if not lost:
         return None
     clients = len({d.get("client", "?") for d in lost})
-    return (f"rounds {first}-{rounds[-1]['round']}: the replies of {clients} client(s) were "
+    last = rounds[-1]["round"]
+    span = f"round {last}" if first == last else f"rounds {first}-{last}"
+    return (f"{span}: the replies of {clients} client(s) were "
             f"not finite ({min(d['reason'] for d in lost)})")

@@ -165,11 +165,13 @@ class ResultsRecorder:
             final["seconds_total"], _privacy(final.get("privacy")))
         if self.reason:
             log(INFO, "[final] training stopped early: %s", self.reason)
-        if lost := lost_to_non_finite(self.rounds, 1):
-            # the run went on without them (one site never stops a run), so the figure
-            # above is over the clients left: say so where the figure is read
-            log(WARNING, "[final] %s: the accuracy above is over the other clients only "
-                "(where training diverged, a lower lr or less DP noise helps)", lost)
+        # the run went on without them (one site never stops a run): say so where the
+        # final figure is read, and what it means for that figure
+        if lost := lost_to_non_finite(self.rounds, 1, stage="evaluate"):
+            log(WARNING, "[final] %s: the accuracy above is over the other clients only", lost)
+        if lost := lost_to_non_finite(self.rounds, 1, stage="train"):
+            log(WARNING, "[final] %s: their updates were left out of the last round (where "
+                "training diverged, a lower lr or less DP noise helps)", lost)
         per_client = next((r["eval"]["per_client"] for r in reversed(self.rounds)
                            if "eval" in r), {})
         log(INFO, "[final] %-12s %s", "client", "accuracy")

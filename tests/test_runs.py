@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from common.record import lost_to_non_finite
 from comparison.runs import RunStore
 from launch.app_project import app_defaults
 from strategies.registry import REGISTRY
@@ -142,6 +143,27 @@ def test_a_run_that_lost_clients_to_non_finite_values_in_its_last_rounds_diverge
         store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(results))
         got = store.get(tmp_path / f"other{index}.json", config(tmp_path), name="x")
         assert got["accuracy_weighted"] == 0.5 and store.failed == []
+
+
+def test_the_clients_lost_are_counted_over_the_window_and_by_stage():
+    """The server's warning under its final accuracy reads the last evaluated round, one
+    stage at a time: evaluation drops take a client out of the figure, training drops only
+    out of the model; rounds without an evaluation (the tail after the last one) count."""
+    eval_nan = {"stage": "evaluate", "client": "5", "reason": "metric 'loss' is not finite"}
+    rounds = _rounds(4, {3: [NAN], 4: [NAN_ARRAY, eval_nan, LATE]})["rounds"]
+    assert lost_to_non_finite(rounds, 1, stage="evaluate") == (
+        "round 4: the replies of 1 client(s) were not finite (metric 'loss' is not finite)")
+    assert lost_to_non_finite(rounds, 1, stage="train") == (
+        "round 4: the replies of 1 client(s) were not finite ('w' has values that are not "
+        "finite)")
+    assert lost_to_non_finite(rounds, 2).startswith("rounds 3-4: the replies of 3 client(s)")
+    tail = [*rounds, {"round": 5, "dropped": [NAN]}]  # round 5 trained, never evaluated
+    assert lost_to_non_finite(tail, 1, stage="train").startswith(
+        "rounds 4-5: the replies of 2 client(s)")
+    assert lost_to_non_finite(_rounds(4, {3: [NAN]})["rounds"], 1) is None
+    assert lost_to_non_finite([{"round": 1, "dropped": [NAN]}], 5) is None  # none evaluated
+    with pytest.raises(ValueError, match="at least 1"):
+        lost_to_non_finite(rounds, 0)
 
 
 class DyingRunner:

@@ -61,7 +61,8 @@ def test_shared_bytes_match_the_shared_keys(shared_runs):
 
 
 FAULTY_CLIENT = '''
-"""A ClientApp whose partition 0 replies with NaN and partition 1 with a wrong shape."""
+"""A ClientApp whose partition 0 trains to NaN, partition 1 replies with a wrong shape and
+partition 2 evaluates to a NaN loss."""
 import numpy as np
 from flwr.app import Array, ArrayRecord
 from flwr.clientapp import ClientApp
@@ -72,6 +73,8 @@ from client_app.app import evaluate_personalized, query, train
 def corrupt(msg, context, call_next):
     reply = call_next(msg, context)
     pid = int(context.node_config["partition-id"])
+    if msg.metadata.message_type == "evaluate" and pid == 2:
+        reply.content["metrics"]["loss"] = float("nan")
     if msg.metadata.message_type != "train" or pid > 1:
         return reply
     arrays = reply.content["arrays"]
@@ -103,20 +106,29 @@ def test_bad_replies_are_dropped_and_logged_and_the_run_completes(federation, tm
     run = federation.run(app_dir, quick(out), num_supernodes=4)
     assert run.ok, run.output[-3000:]
     results = read_results(out)
+    *rounds, last = results["rounds"]
     for entry in results["rounds"]:
         assert entry["train"]["num_clients"] == 2
-        reasons = {d["client"]: d["reason"] for d in entry["dropped"]}
-        assert "not finite" in " ".join(reasons.values())
-        assert "shape" in " ".join(reasons.values())
-        assert entry["eval"]["num_clients"] == 4  # evaluation still reaches everyone
+        reasons = {(d["stage"], d["reason"]) for d in entry["dropped"]}
+        assert ("train", "'body.0.weight' has values that are not finite") in reasons
+        assert "shape" in " ".join(reason for _, reason in reasons)
+    for entry in rounds:  # evaluated with the next round's training: reaches everyone
+        assert entry["eval"]["num_clients"] == 4
+    # the last evaluation is its own exchange, where partition 2's loss is NaN
+    assert ("evaluate", "metric 'loss' is not finite") in {
+        (d["stage"], d["reason"]) for d in last["dropped"]}
+    assert last["eval"]["num_clients"] == 3
     assert run.output.count("dropped reply of node") >= 4
-    assert "values that are not finite" in run.output
-    # the final figure is over the clients left, and the run says so beside it
-    last = results["rounds"][-1]["round"]
-    warning = [line for line in run.output.splitlines()
-               if f"[final] rounds {last}-{last}: the replies of 1 client(s) were not finite"
-               in line]
-    assert warning and "the accuracy above is over the other clients only" in warning[0]
+    # the final figure is over the clients left and the last round trained without one:
+    # the run says both under it
+    final = [line.split("[final] ", 1)[1] for line in run.output.splitlines()
+             if "[final] round " in line]
+    assert final == [
+        f"round {last['round']}: the replies of 1 client(s) were not finite (metric 'loss' "
+        "is not finite): the accuracy above is over the other clients only",
+        f"round {last['round']}: the replies of 1 client(s) were not finite ('body.0.weight' "
+        "has values that are not finite): their updates were left out of the last round "
+        "(where training diverged, a lower lr or less DP noise helps)"], final
 
 
 @pytest.mark.parametrize(("key", "value", "allowed"), [
