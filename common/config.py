@@ -206,7 +206,7 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     resume_from: str = key("resume-from")
     plot: bool = key("plot")
     tracking: str = key("tracking")
-    # trust boundaries (README "Security model")
+    # trust boundaries (docs/security.md)
     node_owners: str = key("identity.node-owners")
     require_registered: bool = key("identity.require-registered")
     max_clients: int = key("identity.max-clients", low=1)

@@ -112,3 +112,16 @@ def test_the_link_check_sees_what_is_broken(tmp_path):
     assert broken_links(page) == ["missing.md: no such file or folder",
                                   "other.md#nowhere: no heading #nowhere in other.md",
                                   "gone.md: no such file or folder"]
+
+
+USER_PAGES = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+
+
+def test_every_run_config_key_is_documented():
+    """Each key of ``[tool.flwr.app.config]`` is named, in code, on a user's page (the README
+    or ``docs/``): a key added without a word for its user fails here."""
+    from launch.app_project import app_defaults
+
+    text = "\n".join(page.read_text(encoding="utf-8") for page in USER_PAGES)
+    named = set(re.findall(r"`([a-z0-9.\-]+)", text))  # `key`, `key = value`, `key=value`
+    assert sorted(set(app_defaults()) - named) == []

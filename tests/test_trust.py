@@ -1,4 +1,4 @@
-"""Trust boundaries (README "Security model"): every malformed reply is dropped by the one
+"""Trust boundaries (docs/security.md): every malformed reply is dropped by the one
 validation path without stopping anything, client ids are bound to nodes, influence on the
 shared model is bounded, and state on disk is durable and loads without running code."""
 

@@ -194,7 +194,7 @@ app.query()(query)
 '''
 ATTACKS = {"flip": -10.0, "scale": 10.0}
 # IID partitions: on skewed (Dirichlet) partitions the coordinate-wise rules themselves cost
-# accuracy in few rounds (README "Security model" has both), which would hide the attacker's
+# accuracy in few rounds (docs/security.md has both), which would hide the attacker's
 # effect that this test is about.
 ATTACK_BASE = {"method": "fedavg", "num-server-rounds": 6, "local-epochs": 1, "plot": False,
                "min-nodes": 5, "partitioner": "iid"}

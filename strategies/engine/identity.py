@@ -5,7 +5,7 @@ keyed by the ``client-id`` every reply carries (contracts §1). A node is asked 
 ``identify`` query) before it gets work, so that a client that comes back on a new node gets
 its own per-client downlink at once and its old node is no longer sampled.
 
-A client id belongs to one node at a time (``NodeDirectory.claim``, README "Security model"):
+A client id belongs to one node at a time (``NodeDirectory.claim``, docs/security.md):
 
 - a node with a registered name (SuperNode authentication, ``flwr supernode register ...
   --name``, seen through ``grid.get_nodes()``) may speak only for the client id equal to its

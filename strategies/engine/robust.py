@@ -1,4 +1,4 @@
-"""Bounded influence on the shared model (README "Security model").
+"""Bounded influence on the shared model (docs/security.md).
 
 - **Example counts.** A reply claiming more than ``aggregation.max-num-examples`` is dropped
   at validation (``common.protocol.parse_reply``); ``ExampleCounts`` then holds each client's
