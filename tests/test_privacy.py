@@ -106,6 +106,76 @@ def test_the_server_clips_an_update_a_site_did_not_clip():
     assert norm(hostile_part) == pytest.approx(1.0, rel=1e-5)
 
 
+def along(rng: np.random.Generator, start: dict[str, np.ndarray], length: float
+          ) -> dict[str, np.ndarray]:
+    """``start`` moved by a random update of L2 norm ``length``."""
+    direction = arrays(rng, 1.0)
+    scale = length / norm(direction)
+    return {k: start[k] + direction[k] * scale for k in SHAPES}
+
+
+def test_an_update_just_past_the_clip_norm_is_clipped_by_the_client_and_the_server():
+    """At 1.5 times the clip norm (a clip that triggered at twice it would miss it): the
+    client's update leaves at the clip norm, and the server brings an unclipped one there."""
+    rng = np.random.default_rng(5)
+    start = {k: v.astype(np.float64) for k, v in arrays(rng, 1.0).items()}
+    trained = along(rng, start, 1.5)
+    sent, clipped = privatize_uplink(record(trained), record(start), "central", 1.0, 1.0,
+                                     NoNoise())
+    assert clipped and norm({k: sent[k].numpy() - start[k] for k in SHAPES}) == \
+        pytest.approx(1.0, rel=1e-9)
+    merged, clipped_here = noised_mean([[trained[k] for k in SHAPES]],
+                                       [start[k] for k in SHAPES], 1.0, 0.0, NoNoise())
+    assert clipped_here == 1
+    assert norm({k: merged[i] - start[k] for i, k in enumerate(SHAPES)}) == \
+        pytest.approx(1.0, rel=1e-9)
+
+
+def test_a_drawn_client_whose_update_did_not_arrive_counts_as_a_zero_update():
+    """The mean is over the clients drawn, not the replies: 4 drawn, 2 replied with the same
+    update, the merge moves by half of it (a drop must not show through the mean)."""
+    rng = np.random.default_rng(6)
+    start = arrays(rng, 1.0)
+    trained = along(rng, start, 0.5)
+    ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": 1.0}),
+                                       rng=NoNoise()), 8)
+    ledger.round_drawn(["0", "1", "2", "3"], 8)
+    merged = ledger.merge([reply("0", trained, 0.0), reply("1", trained, 0.0)],
+                          list(SHAPES), record(start))
+    for k in SHAPES:
+        np.testing.assert_allclose(merged[k].numpy() - start[k],
+                                   (trained[k] - start[k]) / 2, atol=1e-6)
+
+
+def test_adaptive_clipping_steps_on_the_updates_that_arrived():
+    """Andrew et al.'s step on the clipped-or-not bits of the updates that arrived (as
+    Flower's ``DifferentialPrivacyServerSideAdaptiveClipping``): 4 drawn, 2 replied, both
+    unclipped, no noise on the count: the unclipped share is 2/2, so at target quantile 0.5
+    the clip norm shrinks by exp(-clip-lr * 0.5), as it does with all 4 replying unclipped."""
+    run = settings(**{"dp.adaptive-clipping": True, "dp.clip-norm": 1.0,
+                      "dp.noise-multiplier": 1.0, "dp.clipped-count-stddev": 5.0})
+    start = arrays(np.random.default_rng(7), 1.0)
+    norms = []
+    for replied in (2, 4):
+        ledger = population(PrivacyLedger(run, rng=NoNoise()), 8)
+        ledger.round_drawn(["0", "1", "2", "3"], 8)
+        ledger.merge([reply(str(i), start, 0.0) for i in range(replied)], list(SHAPES),
+                     record(start))
+        norms.append(ledger.clip_norm)
+    assert norms == [pytest.approx(math.exp(-run.dp_clip_lr * 0.5), rel=1e-12)] * 2
+
+
+def test_a_central_round_that_merged_nothing_releases_nothing():
+    """Every reply dropped: no noised sum left the server, so the round spends no epsilon."""
+    ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": 1.0})), 10)
+    ledger.round_drawn(["0", "1"], 10)
+    spent = ledger.account(True)["epsilon"]
+    ledger.round_drawn(["2", "3"], 10)
+    assert ledger.account(False) == {"mode": "central", "epsilon": spent,
+                                     "delta": default_delta(10), "noise_multiplier": 1.0,
+                                     "clip_norm": 1.0, "clipped_fraction": None}
+
+
 def test_adaptive_clipping_follows_the_target_quantile_and_bounds_every_update():
     """Clients' update norms spread over [0.5, 4.5]: with target quantile 0.5 the clip norm
     moves from 0.2 towards their median (2.5), and in every round the merge counts no

@@ -136,9 +136,11 @@ class PrivacyLedger:
         self._merged = {"clip_norm": self.clip_norm, "clipped_fraction": clipped / len(replies),
                         "clipped_by_server": clipped_here}
         if self.settings.dp_adaptive_clipping:
+            # the quantile of the updates that arrived (as Flower's adaptive clipping): a
+            # drawn client that sent nothing has no norm to count either way
             unclipped = len(replies) - clipped + self._rng.normal(0.0, count_std)
             self.clip_norm *= math.exp(-self.settings.dp_clip_lr * (
-                unclipped / drawn - self.settings.dp_target_quantile))
+                unclipped / len(replies) - self.settings.dp_target_quantile))
         return ArrayRecord({k: Array(values.astype(reference[k].numpy().dtype))
                             for k, values in zip(keys, merged, strict=True)})
 
