@@ -205,6 +205,26 @@ def test_each_downlink_is_its_similarity_weighted_sum_of_the_latest_uploads():
     assert excluded > 0  # tau took some clients out of some rows
 
 
+def test_a_client_never_seen_gets_the_example_weighted_average_of_the_round():
+    """No upload of its own to match on: the round's replies averaged by their examples
+    (FedAvg's rule), the same for every new client; a known client gets its own average."""
+    settings = load_settings(app_config(**{"method": "factorized-fl"}))
+    arrays = initial_state(settings).arrays
+    strategy = RoundEngine(settings, wire_spec(settings), FactorizedFLRule)
+    replies = [_upload(settings, c, np.random.default_rng(int(c)), n)
+               for c, n in (("0", 10), ("1", 30))]
+    merged = strategy.rule.merge_updates(1, replies, arrays)
+    for key in strategy.wire.shared_spec:
+        expected = (10 * replies[0].arrays[key].numpy().astype(np.float64)
+                    + 30 * replies[1].arrays[key].numpy()) / 40
+        np.testing.assert_allclose(merged[key].numpy(), expected, rtol=1e-5, atol=1e-6)
+    new = strategy.rule.downlink(2, "7", merged)
+    assert {k: new[k].numpy().tolist() for k in new} == \
+        {k: merged[k].numpy().tolist() for k in merged}
+    own = strategy.rule.downlink(2, "0", merged)
+    assert any(not np.allclose(own[k].numpy(), merged[k].numpy()) for k in own)
+
+
 def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
     """150 known clients (above ``MATRIX_IN_RESULTS``): a downlink is built only when asked
     for, equals the row's weighted average of the latest uploads (``matching_weights``), is
