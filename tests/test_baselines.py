@@ -1,5 +1,5 @@
-"""Baselines' local rules: FedRep's phase order and freezing; FedAvg-FT's fine-tuned
-evaluation."""
+"""Baselines' local rules: FedProx's proximal term; FedRep's phase order and freezing;
+FedAvg-FT's fine-tuned evaluation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,36 @@ from flwr.app import Context, RecordDict
 
 from client_app.runtime import Client
 from strategies.registry import initial_state, load_settings, wire_spec
-from strategies.training import evaluate_model
+from strategies.training import LocalTraining, evaluate_model
 from tests.conftest import app_config, make_client, moves_per_epoch
+
+
+def test_fedprox_adds_mu_times_the_distance_to_the_received_weights_to_each_gradient():
+    """FedProx's loss + mu/2 ||w - w_received||^2, on two SGD steps (no momentum) over the
+    same two batches: the first step is FedAvg's (w is still the received w_0); the second
+    differs from FedAvg's by exactly lr * mu * (w_1 - w_0)."""
+    lr, mu = 0.1, 0.5
+    config = app_config(**{"local-epochs": 1, "lr": lr, "momentum": 0.0, "model": "mlp",
+                           "dataset": "synthetic-fedfac", "fedprox.mu": mu})
+    client = make_client(0, {**config, "method": "fedavg"})
+    x, y = next(iter(client.loader(True, 1)))
+    batches = [(x[:8], y[:8]), (x[8:16], y[8:16])]
+
+    def trained(method: str, steps: int) -> dict[str, torch.Tensor]:
+        local = make_client(0, {**config, "method": method})
+        model = local.model(initial_state(local.settings).arrays)
+        local.method.local_train(LocalTraining(model, batches[:steps], local.settings,
+                                               local.device, 1))
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    start = {k: v.detach().clone() for k, v in
+             client.model(initial_state(client.settings).arrays).named_parameters()}
+    first = trained("fedavg", 1)
+    assert all(torch.allclose(trained("fedprox", 1)[k], first[k]) for k in first)
+    fedavg, fedprox = trained("fedavg", 2), trained("fedprox", 2)
+    for k in start:
+        torch.testing.assert_close(fedavg[k] - fedprox[k], lr * mu * (first[k] - start[k]),
+                                   rtol=1e-4, atol=1e-6)
 
 
 def test_fedrep_trains_the_head_first_then_the_body_with_the_other_frozen():
