@@ -45,6 +45,8 @@ def test_last_rounds_mean_and_slope_read_the_end_of_the_curve():
     assert slope([0.5 + 0.01 * r for r in range(20)]) == pytest.approx(0.01)
     assert slope([0.9] * 12 + [0.1, 0.2]) < 0  # only the last 10 count
     assert slope([0.4]) == 0.0
+    # least squares, not the end points' difference ((1 - 0) / 9): 4.5 / 82.5
+    assert slope([0.0] * 9 + [1.0]) == pytest.approx(3 / 55)
 
 
 def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():

@@ -12,7 +12,8 @@ import pytest
 from bench.evidence import protocol
 from bench.evidence.claims import claim_line, claims, undecided
 from bench.evidence.report import ablation_table
-from comparison.stats import config_tag
+from bench.evidence.stats import flag
+from comparison.stats import config_tag, judge_difference
 from tests.conftest import ROOT
 
 
@@ -240,3 +241,41 @@ def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_hol
     # a row still missing report seeds may be the best so far, but only provisionally
     stats["dirichlet-0.1"]["fedper"] = row("fedper", best[:3], mb_up=40.0)
     assert "fedper" in picks(stats)["dirichlet-0.1"]["provisional"]
+
+
+@pytest.mark.parametrize(("ci95", "verdict", "superiority", "interval"), [
+    ((-0.0005, 0.02), "held", "did not hold", "above the margin"),  # 0 inside: not better
+    ((0.0001, 0.02), "held", "held", "above the margin"),
+    ((-0.03, -0.0095), "did not hold", "did not hold", "across the margin"),  # just over it
+    ((-0.03, -0.0105), "did not hold", "did not hold", "below the margin"),
+    ((-0.01, 0.0), "held", "did not hold", "above the margin"),  # at the margin: held
+])
+def test_a_difference_is_judged_on_where_its_interval_lies(ci95, verdict, superiority,
+                                                            interval):
+    """Margin -0.01 (non-inferiority within a point): held when the interval's lower end is
+    at or above it; better at all (superiority) only when the lower end is above 0; below
+    the margin only when the upper end is under it."""
+    judged = judge_difference({"ci95": ci95}, -0.01)
+    assert (judged["verdict"], judged["superiority"], judged["interval"]) == \
+        (verdict, superiority, interval)
+
+
+def _sloped_row(slopes: list[float]) -> dict:
+    return {"per_seed": {seed: {"slope": s} for seed, s in zip(protocol.REPORT_SEEDS, slopes,
+                                                                strict=False)},
+            "num_rounds": 40, "slope": (statistics.fmean(slopes), 0.0)}
+
+
+def test_a_row_has_converged_when_the_upper_end_of_its_slope_interval_is_within_the_rule():
+    """0.1 points a round (a margin per 10 rounds) bounds the interval's upper end, not its
+    mean or its lower end: a mean of 0.05 points spread over seeds is not converged."""
+    assert protocol.CONVERGED_SLOPE == 0.001
+    flat = [0.0009, 0.0008, 0.0009, 0.0008, 0.0009]  # upper end about 0.00095
+    spread = [0.004, -0.003, 0.003, -0.002, 0.0005]  # mean 0.0005, upper end about 0.0043
+    assert protocol.converged(flat) and not protocol.converged(spread)
+    assert not protocol.converged([0.0])  # one seed: no interval, no judgement
+    assert flag(_sloped_row(flat)) == ""
+    assert flag(_sloped_row(spread)).startswith("not converged at round 40: slope over the last 10 "
+                                         "rounds +0.05 points a round, 95% interval [-0.33, "
+                                         "+0.43]")
+    assert flag(_sloped_row([0.0])) == "one seed: convergence cannot be judged"
