@@ -170,7 +170,7 @@ class ResultsRecorder:
         if lost := lost_to_non_finite(self.rounds, 1, stage="evaluate"):
             log(WARNING, "[final] %s: the accuracy above is over the other clients only", lost)
         if lost := lost_to_non_finite(self.rounds, 1, stage="train"):
-            log(WARNING, "[final] %s: their updates were left out of the last round (where "
+            log(WARNING, "[final] %s: their updates were left out of the shared model (where "
                 "training diverged, a lower lr or less DP noise helps)", lost)
         per_client = next((r["eval"]["per_client"] for r in reversed(self.rounds)
                            if "eval" in r), {})

@@ -249,6 +249,8 @@ def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_hol
     ((-0.03, -0.0095), "did not hold", "did not hold", "across the margin"),  # just over it
     ((-0.03, -0.0105), "did not hold", "did not hold", "below the margin"),
     ((-0.01, 0.0), "held", "did not hold", "above the margin"),  # at the margin: held
+    ((0.0, 0.02), "held", "did not hold", "above the margin"),  # 0 at the lower end
+    ((-0.03, -0.01), "did not hold", "did not hold", "across the margin"),  # up to it
 ])
 def test_a_difference_is_judged_on_where_its_interval_lies(ci95, verdict, superiority,
                                                             interval):

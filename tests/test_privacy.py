@@ -147,22 +147,20 @@ def test_a_drawn_client_whose_update_did_not_arrive_counts_as_a_zero_update():
                                    (trained[k] - start[k]) / 2, atol=1e-6)
 
 
-def test_adaptive_clipping_steps_on_the_updates_that_arrived():
-    """Andrew et al.'s step on the clipped-or-not bits of the updates that arrived (as
-    Flower's ``DifferentialPrivacyServerSideAdaptiveClipping``): 4 drawn, 2 replied, both
-    unclipped, no noise on the count: the unclipped share is 2/2, so at target quantile 0.5
-    the clip norm shrinks by exp(-clip-lr * 0.5), as it does with all 4 replying unclipped."""
+def test_adaptive_clipping_counts_a_missing_client_as_the_zero_update_the_mean_counts():
+    """Andrew et al.'s step over the clients drawn (a fixed denominator): 4 drawn, 2 replied,
+    one of them clipped, no noise on the count. The two missing count as zero updates,
+    unclipped, as in the mean: 3 of 4 unclipped, so at target quantile 0.5 the clip norm
+    moves by exp(-clip-lr * 0.25) (over the arrivals, 1 of 2, it would not move; counting
+    the missing as clipped, 1 of 4, it would grow)."""
     run = settings(**{"dp.adaptive-clipping": True, "dp.clip-norm": 1.0,
                       "dp.noise-multiplier": 1.0, "dp.clipped-count-stddev": 5.0})
     start = arrays(np.random.default_rng(7), 1.0)
-    norms = []
-    for replied in (2, 4):
-        ledger = population(PrivacyLedger(run, rng=NoNoise()), 8)
-        ledger.round_drawn(["0", "1", "2", "3"], 8)
-        ledger.merge([reply(str(i), start, 0.0) for i in range(replied)], list(SHAPES),
-                     record(start))
-        norms.append(ledger.clip_norm)
-    assert norms == [pytest.approx(math.exp(-run.dp_clip_lr * 0.5), rel=1e-12)] * 2
+    ledger = population(PrivacyLedger(run, rng=NoNoise()), 8)
+    ledger.round_drawn(["0", "1", "2", "3"], 8)
+    ledger.merge([reply("0", start, 1.0), reply("1", start, 0.0)], list(SHAPES),
+                 record(start))
+    assert ledger.clip_norm == pytest.approx(math.exp(-run.dp_clip_lr * 0.25), rel=1e-12)
 
 
 def test_a_central_round_that_merged_nothing_releases_nothing():

@@ -127,7 +127,7 @@ def test_bad_replies_are_dropped_and_logged_and_the_run_completes(federation, tm
         f"round {last['round']}: the replies of 1 client(s) were not finite (metric 'loss' "
         "is not finite): the accuracy above is over the other clients only",
         f"round {last['round']}: the replies of 1 client(s) were not finite ('body.0.weight' "
-        "has values that are not finite): their updates were left out of the last round "
+        "has values that are not finite): their updates were left out of the shared model "
         "(where training diverged, a lower lr or less DP noise helps)"], final
 
 

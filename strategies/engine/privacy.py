@@ -136,11 +136,13 @@ class PrivacyLedger:
         self._merged = {"clip_norm": self.clip_norm, "clipped_fraction": clipped / len(replies),
                         "clipped_by_server": clipped_here}
         if self.settings.dp_adaptive_clipping:
-            # the quantile of the updates that arrived (as Flower's adaptive clipping): a
-            # drawn client that sent nothing has no norm to count either way
-            unclipped = len(replies) - clipped + self._rng.normal(0.0, count_std)
+            # Andrew et al.'s step over the clients drawn, a fixed denominator: a drawn client
+            # whose update did not arrive counts as the mean counts it, a zero update, which
+            # no clip touches (its bit: unclipped), so a drop shows neither through the mean
+            # nor through the next clip norm
+            unclipped = drawn - clipped + self._rng.normal(0.0, count_std)
             self.clip_norm *= math.exp(-self.settings.dp_clip_lr * (
-                unclipped / len(replies) - self.settings.dp_target_quantile))
+                unclipped / drawn - self.settings.dp_target_quantile))
         return ArrayRecord({k: Array(values.astype(reference[k].numpy().dtype))
                             for k, values in zip(keys, merged, strict=True)})
 

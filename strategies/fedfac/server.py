@@ -112,7 +112,7 @@ def shared_elements(weights: list[np.ndarray], kappa: float, tau_quantile: float
 
 # ---------------------------------------------------------------------- reference splits
 # The ``fedfac.split`` option, to measure FedFac's own split against others.
-# FedFac's split claim (the estimated split beats a random one of the same size, eq. 8) needs
+# FedFac's split claim (the estimated split beats a random one of the same size) needs
 # splits to compare with: ``true``, the synthetic generator's own split of the first analysed
 # layer's units (``dataset = "synthetic-fedfac"`` only), and ``random``, as many shared
 # elements as FedFac estimated, drawn at random (seeded by the run's seed and the round).
