@@ -90,6 +90,12 @@ def personalized_stats(per_client: dict[str, tuple[float, int]],
     return stats
 
 
+def dropped_as_non_finite(drop: Mapping[str, Any], stage: str | None = None) -> bool:
+    """Whether a ``dropped`` entry (``RoundRecord.dropped``) is a reply dropped because a
+    value was not finite, at ``stage`` (``train`` or ``evaluate``; either where None)."""
+    return NOT_FINITE in drop.get("reason", "") and stage in (None, drop.get("stage"))
+
+
 def lost_to_non_finite(rounds: Sequence[Mapping[str, Any]], last_evaluated: int,
                        stage: str | None = None) -> str | None:
     """From a run's round entries (``results.json``'s ``rounds``): the clients whose replies
@@ -97,8 +103,8 @@ def lost_to_non_finite(rounds: Sequence[Mapping[str, Any]], last_evaluated: int,
     None) from the first of the last ``last_evaluated`` evaluated rounds on, as one line
     ("rounds a-b: the replies of N client(s) were not finite (a reason)", or "round b: ...",
     the reason the least in sort order: the line does not depend on the order of the drops);
-    None where none was. A client dropped at evaluation is missing from those rounds' accuracy; one
-    dropped at training is not, but its update was left out."""
+    None where none was. A client dropped at evaluation is missing from those rounds'
+    accuracy; one dropped at training is not, but its update was left out."""
     if last_evaluated < 1:
         raise ValueError(f"last_evaluated must be at least 1, not {last_evaluated}")
     evaluated = [r["round"] for r in rounds if "eval" in r]
@@ -106,7 +112,7 @@ def lost_to_non_finite(rounds: Sequence[Mapping[str, Any]], last_evaluated: int,
         return None
     first = evaluated[-last_evaluated:][0]
     lost = [d for r in rounds if r["round"] >= first for d in r.get("dropped", [])
-            if NOT_FINITE in d.get("reason", "") and stage in (None, d.get("stage"))]
+            if dropped_as_non_finite(d, stage)]
     if not lost:
         return None
     clients = len({d.get("client", "?") for d in lost})

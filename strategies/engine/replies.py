@@ -31,7 +31,7 @@ from common.protocol import (
     shared_failure,
     shown,
 )
-from common.record import RoundRecord
+from common.record import RoundRecord, dropped_as_non_finite
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.exchange import Exchange
 from strategies.engine.identity import NodeDirectory
@@ -86,8 +86,7 @@ class DivergenceWatch:
         fused evaluation is not finite is dropped whole), ``accepted`` updates merged: raise
         ``RunFailedError`` (its reason says "not finite") at the ``DIVERGED_ROUNDS``-th such
         round in a row."""
-        nodes = {d["node"] for d in record.dropped
-                 if d["stage"] == "train" and NOT_FINITE in d["reason"]}
+        nodes = {d["node"] for d in record.dropped if dropped_as_non_finite(d, "train")}
         if accepted or len(nodes) < self.min_nodes:
             self.first = None
             return
