@@ -277,7 +277,7 @@ def test_a_row_has_converged_when_the_upper_end_of_its_slope_interval_is_within_
     assert protocol.converged(flat) and not protocol.converged(spread)
     assert not protocol.converged([0.0])  # one seed: no interval, no judgement
     assert flag(_sloped_row(flat)) == ""
-    assert flag(_sloped_row(spread)).startswith("not converged at round 40: slope over the last 10 "
-                                         "rounds +0.05 points a round, 95% interval [-0.33, "
-                                         "+0.43]")
+    assert flag(_sloped_row(spread)).startswith(
+        "not converged at round 40: slope over the last 10 rounds +0.05 points a round, 95% "
+        "interval [-0.33, +0.43]")
     assert flag(_sloped_row([0.0])) == "one seed: convergence cannot be judged"

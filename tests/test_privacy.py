@@ -188,9 +188,7 @@ def test_adaptive_clipping_follows_the_target_quantile_and_bounds_every_update()
         clip_norm = ledger.clip_norm
         replies = []
         for i, length in enumerate(np.linspace(0.5, 4.5, 9)):
-            direction = arrays(rng, 1.0)
-            update = {k: v * (length / norm(direction)) for k, v in direction.items()}
-            replies.append(reply(str(i), {k: start[k] + update[k] for k in SHAPES},
+            replies.append(reply(str(i), along(rng, start, length),
                                  float(length > clip_norm)))  # the client did not clip
         ledger.round_drawn([str(i) for i in range(9)], 9)
         merged = ledger.merge(replies, list(SHAPES), record(start))
