@@ -193,6 +193,23 @@ def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
     assert reply[METRICS][TASK_ACCURACY] == scores.task_accuracy
 
 
+def test_an_existing_client_sends_its_personal_rows_only_when_not_under_dp():
+    """``fedfac.personal`` (the Ensemble's query): an existing client answers with exactly its
+    analysed layers' element tensors, as it holds them; under ``dp.mode`` it refuses on its
+    own, whatever the server asks (start-up refuses ``fedfac.new-clients`` with DP too, but a
+    client under DP trusts no server to have checked)."""
+    client = _client(0)
+    model = client.model(ArrayRecord())
+    reply = fedfac_client.personal_elements(client, SimpleNamespace(content=RecordDict()))
+    sent = reply[ARRAYS].to_torch_state_dict()
+    assert sorted(sent) == sorted(client.wire.always_personal) == sorted(client.wire.layer_of_key)
+    for key, value in sent.items():
+        torch.testing.assert_close(value, model.state_dict()[key].cpu(), rtol=0, atol=0)
+    private = _client(0, **{"dp.mode": "local", "dp.noise-multiplier": 1.0})
+    with pytest.raises(ConfigError, match=r"under dp\.mode this client sends no personal rows"):
+        fedfac_client.personal_elements(private, SimpleNamespace(content=RecordDict()))
+
+
 def _fresh(client: Client) -> torch.nn.Module:
     """The model a new client starts from (the seeded initialisation; its shared rows equal
     the server's initial arrays)."""
