@@ -38,8 +38,31 @@ def test_layer_selection_and_element_keys():
     assert element_keys(model, "body.0") == ["body.0.weight", "body.1.weight", "body.1.bias",
                                              "body.1.running_mean", "body.1.running_var"]
     assert element_keys(model, "body.9") == ["body.9.weight", "body.9.bias"]
-    with pytest.raises(ConfigError, match=r"fedfac\.layers"):
-        load_settings(app_config(**{"method": "fedfac", "fedfac.layers": "9"}))
+    assert analysed_layers(model, "0, body.0, -4", DIGITS) == ["body.0"]  # each layer once
+    for out_of_range in ("9", "4", "-5"):  # four layers in forward order: [-4, 3]
+        with pytest.raises(ConfigError, match=r"fedfac\.layers: index .* is out of range"):
+            load_settings(app_config(**{"method": "fedfac", "fedfac.layers": out_of_range}))
+
+
+class _NormsAroundALinear(nn.Module):
+    """A user's model whose BatchNorms are registered after ``fc`` without all being its
+    own: ``norm_in`` (8 features, ``fc``'s input) and ``norm_twice`` (a second norm of the
+    same width after ``fc``'s own ``norm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.norm_twice = nn.BatchNorm1d(16)
+        self.wide = nn.Linear(8, 4)
+        self.norm_in = nn.BatchNorm1d(8)
+
+
+def test_an_element_owns_only_the_batchnorm_of_its_own_width_that_directly_follows():
+    model = _NormsAroundALinear()
+    assert element_keys(model, "fc") == ["fc.weight", "fc.bias", "norm.weight", "norm.bias",
+                                         "norm.running_mean", "norm.running_var"]
+    assert element_keys(model, "wide") == ["wide.weight", "wide.bias"]  # norm_in: 8 wide
 
 
 def test_defaults_are_the_papers_deepest_hidden_layer_and_90_percent_quantile():
