@@ -81,6 +81,7 @@ def test_fedavg_ft_evaluates_a_fine_tuned_copy_and_sends_what_fedavg_sends():
     ("fedbn", {}, False),
     ("pfedc", {"pfedc.tasks": 1}, True),       # one task: pFedC is FedAvg
     ("fedfac", {"fedfac.tau-quantile": -1.0}, True),  # every element shared
+    ("fedfac", {}, False),  # every key travels, but the analysed layers' rows stay
     ("fedavg", {}, False),                     # shares everything by design: no warning
     ("fedper", {}, False), ("feddecomp", {}, False), ("factorized-fl", {}, False),
 ])

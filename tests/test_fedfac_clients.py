@@ -169,6 +169,12 @@ def test_personal_rows_stay_on_the_client_and_shared_rows_come_from_the_server()
         mask])
     sent = client.shared_arrays(client.model(down), down)
     assert sent["body.0.weight"].shape[0] == 8  # static: personal rows are not sent
+    # rows that do not match the mask that came with them are refused, not broadcast
+    for rows in (1, 9):
+        wrong = ArrayRecord({**dict(down.items()), "body.0.weight": Array(
+            np.zeros((rows, *own.shape[1:]), np.float32))})
+        with pytest.raises(ValueError, match=r"'body\.0\.weight' does not fit the shared rows"):
+            client.model(wrong)
 
 
 def test_whole_layer_personal_sends_no_rows():

@@ -148,12 +148,18 @@ def test_a_malformed_evaluate_reply_is_dropped(metric, value):
     assert metric in strategy.ledger.record(1).dropped[0]["reason"]
 
 
-def test_pfedc_task_weights_of_strings_are_dropped():
+@pytest.mark.parametrize("hostile", [
+    lambda n: ["x"] * n, lambda n: [0.0] * n,             # strings; holds no task at all
+    lambda n: [-1.0] + [1.0] * (n - 1),                    # a negative weight
+    lambda n: [float("nan")] + [1.0] * (n - 1), lambda n: [1.0] * (n + 1)])
+def test_pfedc_task_weights_that_eq7_cannot_use_are_dropped(hostile):
+    """A reply whose task weights are not ``T`` finite non-negative numbers with a positive
+    sum would turn eq. 7's per-branch means into a division by zero or a negative weight."""
     strategy, initial = _strategy("pfedc")
     client = make_client(0, app_config(method="pfedc"))
     message, content = _honest_reply(client, initial)
     weights = list(content[CLIENT]["pfedc.task-weights"])
-    content[CLIENT]["pfedc.task-weights"] = ["x"] * len(weights)
+    content[CLIENT]["pfedc.task-weights"] = hostile(len(weights))
     valid = strategy.read(_training(1, [message]), Exchange(
         [message], [(100, Message(content, reply_to=message))])).updates
     assert valid == []

@@ -254,6 +254,28 @@ def test_our_sgd_steps_exactly_as_torch_optim_sgd(momentum, weight_decay):
             assert torch.equal(a, b)
 
 
+def test_reported_losses_are_the_mean_batch_loss_and_the_mean_example_loss():
+    """The ``train-loss`` a client reports is the mean over every batch of every epoch, and
+    its evaluation ``loss`` the mean over examples: with a learning rate too small to move a
+    plain linear model, two epochs over two equal batches report the mean cross-entropy of
+    the data (one call of ``cross_entropy`` on all of it), and so does the evaluation over
+    unequal batches."""
+    from strategies.training import LocalTraining, evaluate_model, train_epochs
+
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(12, 5, generator=generator), torch.arange(12) % 3
+    model = torch.nn.Linear(5, 3)
+    with torch.no_grad():
+        whole = float(torch.nn.functional.cross_entropy(model(x), y))
+    assert evaluate_model(model, [(x[:9], y[:9]), (x[9:], y[9:])],
+                          torch.device("cpu")).loss == pytest.approx(whole, rel=1e-6)
+    per_batch = [(x[:6], y[:6]), (x[6:], y[6:])]
+    settings = load_settings(app_config(lr=1e-12))
+    loss = train_epochs(LocalTraining(model, per_batch, settings, torch.device("cpu"), 1),
+                        model.parameters(), 2)
+    assert loss == pytest.approx(whole, rel=1e-6)
+
+
 def test_lenet5_is_lenet_on_28x28_and_runs_from_8x8():
     model = build_backbone("lenet5", (1, 28, 28), 10)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
