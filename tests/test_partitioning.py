@@ -95,6 +95,11 @@ def test_train_test_split_is_disjoint_and_stratified():
     train, test = train_test_split(labels, 0.2, seed=0, partition_id=0)
     assert not set(train) & set(test) and len(train) + len(test) == len(labels)
     assert np.bincount(labels[test], minlength=4).tolist() == [2, 4, 0, 1]
+    # a class's single example stays in train even where its share would round to one
+    labels = np.repeat(np.arange(2), [3, 1])
+    train, test = train_test_split(labels, 0.7, seed=0, partition_id=0)
+    assert np.bincount(labels[test], minlength=2).tolist() == [2, 0]
+    assert labels[train].tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("labels", [[3, 7], [0, 1, 2], [5, 5, 1, 2]])
@@ -146,6 +151,14 @@ def test_many_clients_on_a_small_pool_get_a_clear_error_and_min_partition_size_f
     relaxed = settings(partitioner="dirichlet", **{"min-partition-size": 2})
     sizes = [len(partition_indices(labels, relaxed, pid, 1000)) for pid in range(1000)]
     assert min(sizes) >= 2 and sum(sizes) == len(labels)
+
+
+def test_min_partition_size_is_capped_at_half_an_even_share_so_a_small_pool_stays_drawable():
+    """100 clients on the 1,797 digits: an even share is 17, so ``min-partition-size = 50``
+    is read as 8 (half of it) instead of asking for more examples than the pool holds."""
+    s = settings(partitioner="dirichlet", **{"dirichlet-alpha": 100.0, "min-partition-size": 50})
+    sizes = [len(p) for p in all_partitions(s, 100)]
+    assert min(sizes) >= 8 and sum(sizes) == 1797
 
 
 def _rows(x: np.ndarray) -> set[bytes]:
