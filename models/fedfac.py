@@ -16,8 +16,10 @@ hidden neurons/channels), and no script of the authors splits the classifier's o
 The hidden elements of a layer are its output neurons (Linear) or channels (Conv2d). Element
 ``j``'s parameters are the weights that produce it (row ``j`` of a Linear weight, kernel ``j``
 of a Conv2d weight), its bias entry, and entry ``j`` of the BatchNorm that directly follows the
-layer (affine parameters and running statistics). FedFac uses no model transform: the backbone
-is unchanged.
+layer (affine parameters and running statistics): the first BatchNorm registered after the
+layer, before any other Linear/Conv2d, if it has the layer's width (every backbone here
+and the usual ``nn.Sequential`` and ResNet blocks register a norm right after its layer).
+FedFac uses no model transform: the backbone is unchanged.
 """
 
 from __future__ import annotations

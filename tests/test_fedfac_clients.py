@@ -45,9 +45,9 @@ def test_layer_selection_and_element_keys():
 
 
 class _NormsAroundALinear(nn.Module):
-    """A user's model whose BatchNorms are registered after ``fc`` without all being its
-    own: ``norm_in`` (8 features, ``fc``'s input) and ``norm_twice`` (a second norm of the
-    same width after ``fc``'s own ``norm``)."""
+    """A user's model with BatchNorms registered after a layer that are not its own:
+    ``norm_twice`` (a second norm of ``fc``'s width, after ``fc``'s own ``norm``) and
+    ``norm_in`` (8 features, registered right after ``wide``, whose outputs are 4)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,6 +59,9 @@ class _NormsAroundALinear(nn.Module):
 
 
 def test_an_element_owns_only_the_batchnorm_of_its_own_width_that_directly_follows():
+    """An element owns entry ``j`` of the first BatchNorm registered after its layer (before
+    any other Linear/Conv2d), and only when that norm has the layer's width: not a second
+    norm after it, not a norm of another width."""
     model = _NormsAroundALinear()
     assert element_keys(model, "fc") == ["fc.weight", "fc.bias", "norm.weight", "norm.bias",
                                          "norm.running_mean", "norm.running_var"]
@@ -224,16 +227,26 @@ def test_new_client_localtrain_trains_only_its_personal_rows(monkeypatch):
 
 def test_an_existing_client_sends_its_personal_rows_only_when_not_under_dp():
     """``fedfac.personal`` (the Ensemble's query): an existing client answers with exactly its
-    analysed layers' element tensors, as it holds them; under ``dp.mode`` it refuses on its
-    own, whatever the server asks (start-up refuses ``fedfac.new-clients`` with DP too, but a
-    client under DP trusts no server to have checked)."""
+    analysed layers' element tensors as it holds them after its own training, not the seeded
+    start; under ``dp.mode`` it refuses on its own, whatever the server asks (start-up refuses
+    ``fedfac.new-clients`` with DP too, but a client under DP trusts no server to have
+    checked)."""
     client = _client(0)
-    model = client.model(ArrayRecord())
+    initial = initial_state(client.settings).arrays
+    model = client.model(initial)
+    with torch.no_grad():  # this client's own kernels and BatchNorm statistics
+        model.body[0].weight.add_(1.0)
+        model.body[1].running_mean.add_(2.0)
+    client.keep_personal(model, initial, client.shared_arrays(model, initial))
+    held = {k: v.detach().clone() for k, v in model.state_dict().items()}
     reply = fedfac_client.personal_elements(client, SimpleNamespace(content=RecordDict()))
     sent = reply[ARRAYS].to_torch_state_dict()
-    assert sorted(sent) == sorted(client.wire.always_personal) == sorted(client.wire.layer_of_key)
+    assert sorted(sent) == ["body.0.weight", "body.1.bias", "body.1.running_mean",
+                            "body.1.running_var", "body.1.weight"]  # fedfac.layers = "0"
     for key, value in sent.items():
-        torch.testing.assert_close(value, model.state_dict()[key].cpu(), rtol=0, atol=0)
+        torch.testing.assert_close(value, held[key].cpu(), rtol=0, atol=0)
+    start = _fresh(client).state_dict()
+    assert not torch.equal(sent["body.0.weight"], start["body.0.weight"])
     private = _client(0, **{"dp.mode": "local", "dp.noise-multiplier": 1.0})
     with pytest.raises(ConfigError, match=r"under dp\.mode this client sends no personal rows"):
         fedfac_client.personal_elements(private, SimpleNamespace(content=RecordDict()))

@@ -149,12 +149,15 @@ def test_a_malformed_evaluate_reply_is_dropped(metric, value):
 
 
 @pytest.mark.parametrize("hostile", [
-    lambda n: ["x"] * n, lambda n: [0.0] * n,             # strings; holds no task at all
-    lambda n: [-1.0] + [1.0] * (n - 1),                    # a negative weight
-    lambda n: [float("nan")] + [1.0] * (n - 1), lambda n: [1.0] * (n + 1)])
+    lambda n: ["x"] * n, lambda n: [True] * n, lambda n: [0.0] * n,
+    lambda n: [-1.0] + [1.0] * (n - 1), lambda n: [float("nan")] + [1.0] * (n - 1),
+    lambda n: [1.0] * (n + 1)],
+    ids=["strings", "booleans", "no-task-held", "negative", "nan", "one-too-many"])
 def test_pfedc_task_weights_that_eq7_cannot_use_are_dropped(hostile):
-    """A reply whose task weights are not ``T`` finite non-negative numbers with a positive
-    sum would turn eq. 7's per-branch means into a division by zero or a negative weight."""
+    """A reply's task weights must be ``T`` finite non-negative numbers, not all zero: eq. 7
+    weighs each branch's mean by them and ``held_keys`` reads which branches the reply must
+    carry from them (a negative or all-zero vector would give negative weights or hold no
+    branch; a wrong length would not say which task is which)."""
     strategy, initial = _strategy("pfedc")
     client = make_client(0, app_config(method="pfedc"))
     message, content = _honest_reply(client, initial)

@@ -255,25 +255,41 @@ def test_our_sgd_steps_exactly_as_torch_optim_sgd(momentum, weight_decay):
 
 
 def test_reported_losses_are_the_mean_batch_loss_and_the_mean_example_loss():
-    """The ``train-loss`` a client reports is the mean over every batch of every epoch, and
-    its evaluation ``loss`` the mean over examples: with a learning rate too small to move a
-    plain linear model, two epochs over two equal batches report the mean cross-entropy of
-    the data (one call of ``cross_entropy`` on all of it), and so does the evaluation over
-    unequal batches."""
+    """The ``train-loss`` a client reports is the mean over every batch of every epoch (each
+    batch counts once, whatever its size), and its evaluation ``loss`` the mean over
+    examples. A learning rate too small to move a plain linear model keeps every batch's loss
+    what ``cross_entropy`` gives on it; the loader hands out other, unequal batches in its
+    second epoch, so neither the last epoch alone nor an example-weighted mean passes."""
     from strategies.training import LocalTraining, evaluate_model, train_epochs
 
     generator = torch.Generator().manual_seed(3)
     x, y = torch.randn(12, 5, generator=generator), torch.arange(12) % 3
+    torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
-    with torch.no_grad():
-        whole = float(torch.nn.functional.cross_entropy(model(x), y))
+
+    def loss_of(batch: slice) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(model(x[batch]), y[batch]))
+
     assert evaluate_model(model, [(x[:9], y[:9]), (x[9:], y[9:])],
-                          torch.device("cpu")).loss == pytest.approx(whole, rel=1e-6)
-    per_batch = [(x[:6], y[:6]), (x[6:], y[6:])]
+                          torch.device("cpu")).loss == pytest.approx(loss_of(slice(None)),
+                                                                     rel=1e-6)
+    epochs = [[slice(0, 2), slice(2, 12)], [slice(0, 9), slice(9, 12)]]
+    expected = np.mean([loss_of(batch) for epoch in epochs for batch in epoch])
+
+    class TwoEpochs:
+        """A loader whose batches differ between its first and second pass."""
+
+        def __init__(self) -> None:
+            self.passes = iter(epochs)
+
+        def __iter__(self):
+            return iter([(x[batch], y[batch]) for batch in next(self.passes)])
+
     settings = load_settings(app_config(lr=1e-12))
-    loss = train_epochs(LocalTraining(model, per_batch, settings, torch.device("cpu"), 1),
+    loss = train_epochs(LocalTraining(model, TwoEpochs(), settings, torch.device("cpu"), 1),
                         model.parameters(), 2)
-    assert loss == pytest.approx(whole, rel=1e-6)
+    assert loss == pytest.approx(expected, rel=1e-6)
 
 
 def test_lenet5_is_lenet_on_28x28_and_runs_from_8x8():
