@@ -29,6 +29,7 @@ from common.protocol import (
     ARRAYS,
     CLIENT_ID,
     CONFIG,
+    DP_CLIP_NORM,
     DP_CLIPPED,
     NUM_EXAMPLES,
     SERVER_ROUND,
@@ -129,6 +130,21 @@ def test_an_update_just_past_the_clip_norm_is_clipped_by_the_client_and_the_serv
     assert clipped_here == 1
     assert norm({k: merged[i] - start[k] for i, k in enumerate(SHAPES)}) == \
         pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_a_client_clips_to_the_rounds_clip_norm_and_says_so_only_to_a_trusted_server(mode):
+    """The clip norm of the round's message (adaptive clipping moves it) wins over the run's
+    ``dp.clip-norm``; whether the update was clipped goes up only under ``central``: under
+    ``local`` that bit would leave the client without noise."""
+    client = make_client(0, app_config(**{"dp.mode": mode, "dp.clip-norm": 1.0,
+                                          "dp.noise-multiplier": 1e-9}))
+    rng = np.random.default_rng(8)
+    start = arrays(rng, 1.0)
+    sent, privacy = client.privatized(record(along(rng, start, 0.5)), record(start),
+                                      ConfigRecord({DP_CLIP_NORM: 0.25}))
+    assert norm({k: sent[k].numpy() - start[k] for k in SHAPES}) == pytest.approx(0.25, rel=1e-4)
+    assert privacy == ({DP_CLIPPED: 1.0} if mode == "central" else {})
 
 
 def test_a_drawn_client_whose_update_did_not_arrive_counts_as_a_zero_update():

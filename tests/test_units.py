@@ -207,6 +207,12 @@ def test_a_resumed_run_takes_the_state_of_its_checkpoint_round(tmp_path):
         client.keep_personal(model, received, client.shared_arrays(model, received),
                              server_round)
         heads[server_round] = model.head.weight.detach().clone()
+    # round 3 saved again (its train message delivered twice): round 2's file stays the
+    # previous one
+    client.keep_personal(model, received, client.shared_arrays(model, received), 3)
+    # run 7's own SuperNode restarted (no state in memory): the newer of its two files
+    restarted = Client.from_context(_context(7, tmp_path))
+    torch.testing.assert_close(restarted.model(received).head.weight, heads[3])
     resumed = Client.from_context(_context(8, tmp_path))
     lineage = ConfigRecord({"resume-runs": ["7"], "resume-round": 2})
     for up_to_round in (2, 3, None):  # train round 3, evaluate round 3, a report
