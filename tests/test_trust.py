@@ -106,6 +106,13 @@ TRAIN_CASES = {
     "bytes id": (lambda c: c[CLIENT].__setitem__("client-id", b"\xff\xfe"), "string"),
     "no partition-id": (lambda c: c[CLIENT].pop("partition-id"), "partition-id"),
     "no metrics": (lambda c: c.pop(METRICS), "MetricRecord"),
+    "padded payload": (lambda c: _set_array(c, lambda v: Array(
+        str(v.dtype), v.shape, "numpy.ndarray", Array(v).data + bytes(10**6))), "bytes for"),
+    "zero examples": (lambda c: c[METRICS].__setitem__(NUM_EXAMPLES, 0), "positive int"),
+    "partition-id past the end": (lambda c: c[CLIENT].__setitem__(
+        "partition-id", c[CLIENT]["num-partitions"]), "is not in"),
+    "boolean partition-id": (lambda c: c[CLIENT].__setitem__("partition-id", True),
+                             "must be ints"),
 }
 
 
