@@ -14,6 +14,7 @@ from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
 from bench.evidence.report import write_report
+from bench.evidence.stats import row_stats
 from tests.conftest import ROOT
 
 COMMON_DIGITS = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
@@ -89,6 +90,12 @@ def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rou
     report({**tuned, "num-server-rounds": 8}, 0.01)
     assert offline.reported("dirichlet-0.1", item)[0]["num-server-rounds"] == 8
     assert protocol.MAX_DOUBLINGS == 2
+    # an undecided claim's extra seeds, run at the reported rounds, count in the row
+    for seed in protocol.EXTRA_SEEDS:
+        _store(offline, "dirichlet-0.1", item, {**tuned, "num-server-rounds": 8}, [0.5] * 8,
+               stage="report", seed=seed)
+    row = row_stats(offline, "dirichlet-0.1", item)
+    assert sorted(row["per_seed"]) == [*protocol.REPORT_SEEDS, *protocol.EXTRA_SEEDS]
 
 
 def test_a_configuration_that_diverged_is_a_result_of_the_search_never_chosen(tmp_path):

@@ -281,3 +281,8 @@ def test_a_row_has_converged_when_the_upper_end_of_its_slope_interval_is_within_
         "not converged at round 40: slope over the last 10 rounds +0.05 points a round, 95% "
         "interval [-0.33, +0.43]")
     assert flag(_sloped_row([0.0])) == "one seed: convergence cannot be judged"
+    # extra seeds (run for an undecided claim at the same rounds) do not move the judgement:
+    # it is the report seeds' rule, the one that doubled the rounds
+    extra = _sloped_row(flat)
+    extra["per_seed"].update({seed: {"slope": 0.01} for seed in protocol.EXTRA_SEEDS})
+    assert flag(extra) == ""
