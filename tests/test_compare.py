@@ -49,19 +49,23 @@ def test_last_rounds_mean_and_slope_read_the_end_of_the_curve():
     assert slope([0.0] * 9 + [1.0]) == pytest.approx(3 / 55)
 
 
-def test_a_runs_lowest_client_figure_is_its_last_rounds_mean_and_a_tie_keeps_the_first():
-    """The lowest client's figure reads the end of its curve as accuracy does (a summary
-    stored before that curve was kept gives its final value); between two configurations
-    with the same validation figure the search keeps the one it tried first, so a re-run
-    of the same cells chooses the same."""
-    summary = {"accuracy_per_round": [0.5] * 6, "accuracy_min_per_round": [0.0, 0.1, 0.2,
-                                                                          0.2, 0.3, 0.7],
-               "accuracy_min": 0.7, "mb_up_total": 1.0, "seconds_total": 1.0,
-               "evaluated_on": "validation"}
-    assert run_figures(summary)["accuracy_min"] == pytest.approx(0.3)  # 1.5 / 5
-    old = {k: v for k, v in summary.items() if k != "accuracy_min_per_round"}
-    assert run_figures(old)["accuracy_min"] == 0.7
-    assert choose([("first", summary), ("second", dict(summary)), ("third", old)]) == "first"
+_SUMMARY = {"accuracy_per_round": [0.5] * 6,
+            "accuracy_min_per_round": [0.0, 0.1, 0.2, 0.2, 0.3, 0.7], "accuracy_min": 0.7,
+            "mb_up_total": 1.0, "seconds_total": 1.0, "evaluated_on": "validation"}
+_BEFORE_MIN_CURVE = {k: v for k, v in _SUMMARY.items() if k != "accuracy_min_per_round"}
+
+
+def test_a_runs_lowest_client_figure_is_the_last_rounds_mean_of_its_curve():
+    """The lowest client's figure reads the end of its curve as accuracy does; a summary
+    stored before that curve was kept gives its final value."""
+    assert run_figures(_SUMMARY)["accuracy_min"] == pytest.approx(0.3)  # (0.1+0.2+0.2+0.3+0.7)/5
+    assert run_figures(_BEFORE_MIN_CURVE)["accuracy_min"] == 0.7
+
+
+def test_between_equal_validation_figures_the_search_keeps_the_first_configuration():
+    """So that choosing again from the same cells chooses the same."""
+    tried = [("first", _SUMMARY), ("second", dict(_SUMMARY)), ("third", _BEFORE_MIN_CURVE)]
+    assert choose(tried) == "first"
 
 
 def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():

@@ -90,11 +90,32 @@ def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rou
     report({**tuned, "num-server-rounds": 8}, 0.01)
     assert offline.reported("dirichlet-0.1", item)[0]["num-server-rounds"] == 8
     assert protocol.MAX_DOUBLINGS == 2
-    # an undecided claim's extra seeds, run at the reported rounds, count in the row
-    for seed in protocol.EXTRA_SEEDS:
-        _store(offline, "dirichlet-0.1", item, {**tuned, "num-server-rounds": 8}, [0.5] * 8,
+
+
+def test_a_rows_statistics_take_in_the_extra_seeds_run_at_its_reported_rounds(tmp_path):
+    """An undecided claim's extra seeds run at the rounds the row reports (here doubled to
+    4) and count in its statistics; one stored at another length is another configuration
+    and does not."""
+    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
+    for k, lr in enumerate(protocol.LR_GRID):
+        _store(offline, "dirichlet-0.1", item, {"lr": lr}, [0.1 * k] * 2)
+    for config in protocol.settings_stage("fedavg", protocol.LR_GRID[-1]):
+        _store(offline, "dirichlet-0.1", item, config, [0.0] * 2)
+    tuned = {"lr": protocol.LR_GRID[-1]}
+    for seed in protocol.REPORT_SEEDS:  # rising at 2 rounds, flat at 4
+        _store(offline, "dirichlet-0.1", item, tuned, [0.5, 0.52 + 0.001 * seed],
                stage="report", seed=seed)
+        _store(offline, "dirichlet-0.1", item, {**tuned, "num-server-rounds": 4}, [0.5] * 4,
+               stage="report", seed=seed)
+    for seed in protocol.EXTRA_SEEDS:
+        _store(offline, "dirichlet-0.1", item, {**tuned, "num-server-rounds": 4}, [0.5] * 4,
+               stage="report", seed=seed)
+    _store(offline, "dirichlet-0.1", item, tuned, [0.5] * 2, stage="report",
+           seed=protocol.EXTRA_SEEDS[0])  # another length: not this row's
+    assert offline.reported("dirichlet-0.1", item)[0]["num-server-rounds"] == 4
     row = row_stats(offline, "dirichlet-0.1", item)
+    assert row["num_rounds"] == 4
     assert sorted(row["per_seed"]) == [*protocol.REPORT_SEEDS, *protocol.EXTRA_SEEDS]
 
 

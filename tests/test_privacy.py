@@ -141,10 +141,13 @@ def test_a_client_clips_to_the_rounds_clip_norm_and_says_so_only_to_a_trusted_se
                                           "dp.noise-multiplier": 1e-9}))
     rng = np.random.default_rng(8)
     start = arrays(rng, 1.0)
-    sent, privacy = client.privatized(record(along(rng, start, 0.5)), record(start),
-                                      ConfigRecord({DP_CLIP_NORM: 0.25}))
-    assert norm({k: sent[k].numpy() - start[k] for k in SHAPES}) == pytest.approx(0.25, rel=1e-4)
-    assert privacy == ({DP_CLIPPED: 1.0} if mode == "central" else {})
+    for length, round_clip in ((0.5, 0.25), (1.5, 2.0)):  # the round's norm below, above
+        sent, privacy = client.privatized(record(along(rng, start, length)), record(start),
+                                          ConfigRecord({DP_CLIP_NORM: round_clip}))
+        assert norm({k: sent[k].numpy() - start[k] for k in SHAPES}) == pytest.approx(
+            min(length, round_clip), rel=1e-4)
+        clipped = float(length > round_clip)
+        assert privacy == ({DP_CLIPPED: clipped} if mode == "central" else {})
 
 
 def test_a_drawn_client_whose_update_did_not_arrive_counts_as_a_zero_update():

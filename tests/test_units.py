@@ -210,6 +210,7 @@ def test_a_resumed_run_takes_the_state_of_its_checkpoint_round(tmp_path):
     # round 3 saved again (its train message delivered twice): round 2's file stays the
     # previous one
     client.keep_personal(model, received, client.shared_arrays(model, received), 3)
+    assert torch.load(tmp_path / "site-b.prev.pt", weights_only=True)["round"] == 2
     # run 7's own SuperNode restarted (no state in memory): the newer of its two files
     restarted = Client.from_context(_context(7, tmp_path))
     torch.testing.assert_close(restarted.model(received).head.weight, heads[3])
