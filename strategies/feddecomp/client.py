@@ -3,9 +3,9 @@
 ``feddecomp.lora-epochs`` epochs train only the low-rank factors ``A``, ``B``; the remaining
 ``local-epochs - lora-epochs`` epochs train every other parameter (``sigma``, biases,
 BatchNorm), each phase with a fresh optimizer. BatchNorm running statistics follow the data in
-both phases (the model is in train mode), as in the paper's code. ``lora-epochs =
-local-epochs`` trains only ``tau``: ``sigma`` goes back as it came (BatchNorm statistics
-aside); more is refused at start (``spec.check``). The authors train ``tau`` 2 of 5 epochs
+both phases (the model is in train mode), as in the paper's code. ``lora-epochs`` below
+``local-epochs`` is checked at start (``spec.check``): as many or more would never train
+``sigma``, the only part that is shared. The authors train ``tau`` 2 of 5 epochs
 (``local-epochs=5 feddecomp.lora-epochs=2``).
 """
 
