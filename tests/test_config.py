@@ -39,11 +39,20 @@ def test_pyproject_defaults_are_valid_and_hold_every_design_key():
     ("fedrep.head-epochs", 9, "fedrep.head-epochs: 9 leaves no epoch of local-epochs=2"),
     ("fedrep.head-epochs", 2, "fedrep.head-epochs: 2 leaves no epoch of local-epochs=2 to the "
                               "shared part; allowed: [0, 1]"),
+    # no local epoch at all leaves none for a personal phase either
+    ("fedrep.head-epochs", 1, "fedrep.head-epochs: 1 leaves no epoch of local-epochs=0"),
+    # NaN passes every range comparison; a TOML bool is an int to Python
+    ("lr", float("nan"), "lr: nan is not a finite number"),
+    ("dirichlet-alpha", float("inf"), "dirichlet-alpha: inf is not a finite number"),
+    ("local-epochs", True, "local-epochs: expected int, got True"),
+    ("lr", False, "lr: expected float, got False"),
 ])
 def test_bad_values_raise_one_line(key, value, message):
     config = {**defaults(), key: value}
     if key == "fedrep.head-epochs":
         config["method"] = "fedrep"
+    if message.endswith("local-epochs=0"):
+        config["local-epochs"] = 0
     with pytest.raises(ConfigError) as error:
         load_settings(config)
     assert message in str(error.value)
