@@ -64,14 +64,20 @@ def test_every_row_searches_the_same_learning_rates_and_the_same_extra_budget(tm
     assert protocol.LR_GRID[-1] / protocol.LR_GRID[0] >= 100
 
 
-def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rounds(tmp_path):
+def _tuned_fedavg(tmp_path) -> tuple[Matrix, protocol.Entry, dict]:
+    """Dirichlet 0.1's FedAvg row with its whole search stored: the largest learning rate
+    wins (two-round tuning cells), and no further setting beats it."""
     offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
     item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
     for k, lr in enumerate(protocol.LR_GRID):
         _store(offline, "dirichlet-0.1", item, {"lr": lr}, [0.1 * k] * 2)
     for config in protocol.settings_stage("fedavg", protocol.LR_GRID[-1]):
         _store(offline, "dirichlet-0.1", item, config, [0.0] * 2)
-    tuned = {"lr": protocol.LR_GRID[-1]}
+    return offline, item, {"lr": protocol.LR_GRID[-1]}
+
+
+def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rounds(tmp_path):
+    offline, item, tuned = _tuned_fedavg(tmp_path)
     assert offline.reported("dirichlet-0.1", item) == (tuned, True)
 
     def report(config: dict, rising: float) -> None:
@@ -96,13 +102,7 @@ def test_a_rows_statistics_take_in_the_extra_seeds_run_at_its_reported_rounds(tm
     """An undecided claim's extra seeds run at the rounds the row reports (here doubled to
     4) and count in its statistics; one stored at another length is another configuration
     and does not."""
-    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
-    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
-    for k, lr in enumerate(protocol.LR_GRID):
-        _store(offline, "dirichlet-0.1", item, {"lr": lr}, [0.1 * k] * 2)
-    for config in protocol.settings_stage("fedavg", protocol.LR_GRID[-1]):
-        _store(offline, "dirichlet-0.1", item, config, [0.0] * 2)
-    tuned = {"lr": protocol.LR_GRID[-1]}
+    offline, item, tuned = _tuned_fedavg(tmp_path)
     for seed in protocol.REPORT_SEEDS:  # rising at 2 rounds, flat at 4
         _store(offline, "dirichlet-0.1", item, tuned, [0.5, 0.52 + 0.001 * seed],
                stage="report", seed=seed)
