@@ -68,7 +68,8 @@ def personalized_stats(per_client: dict[str, tuple[float, int]],
     unweighted mean over clients of their task accuracy (``task_accuracy``: client id -> its
     balanced accuracy on its test split) when any of them reported one. A client of
     ``per_client`` that did not report one is left out of that mean, and then
-    ``accuracy_task_num_clients`` says how many are in it."""
+    ``accuracy_task_num_clients`` says how many are in it; a task accuracy of a client not in
+    ``per_client`` is ignored."""
     accuracy = np.array([a for a, _ in per_client.values()])
     examples = np.array([n for _, n in per_client.values()], dtype=float)
     stats: dict[str, Any] = {

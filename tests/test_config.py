@@ -39,8 +39,6 @@ def test_pyproject_defaults_are_valid_and_hold_every_design_key():
     ("fedrep.head-epochs", 9, "fedrep.head-epochs: 9 leaves no epoch of local-epochs=2"),
     ("fedrep.head-epochs", 2, "fedrep.head-epochs: 2 leaves no epoch of local-epochs=2 to the "
                               "shared part; allowed: [0, 1]"),
-    # no local epoch at all leaves none for a personal phase either
-    ("fedrep.head-epochs", 1, "fedrep.head-epochs: 1 leaves no epoch of local-epochs=0"),
     # NaN passes every range comparison; a TOML bool is an int to Python
     ("lr", float("nan"), "lr: nan is not a finite number"),
     ("dirichlet-alpha", float("inf"), "dirichlet-alpha: inf is not a finite number"),
@@ -51,9 +49,15 @@ def test_bad_values_raise_one_line(key, value, message):
     config = {**defaults(), key: value}
     if key == "fedrep.head-epochs":
         config["method"] = "fedrep"
-    if message.endswith("local-epochs=0"):
-        config["local-epochs"] = 0
     with pytest.raises(ConfigError) as error:
         load_settings(config)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_personal_phase_with_no_local_epoch_at_all_is_refused():
+    """``local-epochs = 0`` leaves no epoch for a personal phase either."""
+    config = {**defaults(), "method": "fedrep", "local-epochs": 0, "fedrep.head-epochs": 1}
+    with pytest.raises(ConfigError, match=r"fedrep\.head-epochs: 1 leaves no epoch of "
+                                          r"local-epochs=0"):
+        load_settings(config)

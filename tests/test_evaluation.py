@@ -37,10 +37,10 @@ def test_a_rounds_accuracy_weighs_each_client_by_its_test_examples():
     """Evaluate replies and evaluations carried by train replies count alike, each client by
     the test examples it reported, listed in client order."""
     pending, ledger = _pending()
-    pending.record_replies(3, [_reply("1", 0.5, 10)], fused=[_reply("0", 1.0, 30)])
+    pending.record_replies(3, [_reply("10", 0.5, 10)], fused=[_reply("9", 1.0, 30)])
     stats = ledger.record(3).eval
     assert stats["accuracy_weighted"] == pytest.approx(0.875)  # (30 * 1.0 + 10 * 0.5) / 40
-    assert list(stats["per_client"]) == ["0", "1"]
+    assert list(stats["per_client"]) == ["9", "10"]  # numeric ids in numeric order
 
 
 def test_only_a_rejoined_clients_first_score_goes_to_rejoined():

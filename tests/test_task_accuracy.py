@@ -174,7 +174,7 @@ def test_stats_average_task_accuracy_unweighted_over_clients():
     assert stats["accuracy_task_mean"] == 0.75
     assert stats["accuracy_task_num_clients"] == 2
     assert "accuracy_task_mean" not in personalized_stats({"0": (0.9, 90)})
-    # a task accuracy of a client whose evaluation is not in the round is not either
+    # a task accuracy from a client whose evaluation is not in the round is left out
     assert personalized_stats({"0": (0.9, 90)}, {"0": 0.5, "9": 1.0})["accuracy_task_mean"] == 0.5
 
 

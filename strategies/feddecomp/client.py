@@ -4,8 +4,9 @@
 ``local-epochs - lora-epochs`` epochs train every other parameter (``sigma``, biases,
 BatchNorm), each phase with a fresh optimizer. BatchNorm running statistics follow the data in
 both phases (the model is in train mode), as in the paper's code. ``lora-epochs`` below
-``local-epochs`` is checked at start (``spec.check``): as many or more would never train
-``sigma``, the only part that is shared. The authors train ``tau`` 2 of 5 epochs
+``local-epochs`` is checked at start (``spec.check``, ``leaves_shared_epochs``): as many or
+more would leave no epoch to the shared part (``sigma``, biases, BatchNorm), which would then
+never be trained. The authors train ``tau`` 2 of 5 epochs
 (``local-epochs=5 feddecomp.lora-epochs=2``).
 """
 
