@@ -7,11 +7,11 @@ message of a client writes its split (``x_train``, ``y_train``, ``x_test``, ``y_
 and re-partitioning.
 
 The key is a hash of everything the split depends on: the data settings (dataset, data root,
-partitioner and its parameters, seed, test fraction, label permutation, feature shift,
-synthetic keys), the client's partition id and the number of partitions, a fingerprint of the
-source files (path, size, modification time), and ``FORMAT``, raised whenever the partitioning
-code changes what it produces. A change of any of them gives a new key: a cached split is never
-reused for other settings or other data.
+its label and image columns, partitioner and its parameters, seed, test and validation
+fractions, label permutation, feature shift, synthetic keys), the client's partition id and
+the number of partitions, a fingerprint of the source files (path, size, modification time),
+and ``FORMAT``, raised whenever the partitioning code changes what it produces. A change of
+any of them gives a new key: a cached split is never reused for other settings or other data.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "partition-column",
              "dirichlet-alpha", "min-partition-size", "classes-per-client", "domain-groups",
              "seed", "test-fraction", "validation-fraction", "permute-labels", "feature-shift",
-             "feature-shift-groups", "num-classes", "input-shape")
+             "feature-shift-groups", "num-classes", "input-shape", "label-column",
+             "image-column")
 
 
 def default_cache_dir(state_dir: str | None) -> Path:

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from fldata import load_client_data
+from fldata.cache import DATA_KEYS
 from strategies.registry import load_settings
-from tests.conftest import app_config
+from tests.conftest import ROOT, app_config
 
 
 def _data(cache, num_partitions=5, partition=1, **overrides):
@@ -94,3 +95,38 @@ def test_the_cache_keeps_the_splits_used_last_within_its_bound(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c"]  # a: unused the longest
     prune(tmp_path, 0, keep=tmp_path / "c")
     assert [p.name for p in tmp_path.iterdir()] == ["c"]  # the one kept stays
+
+
+def test_another_label_column_of_the_same_dataset_is_a_new_split(tmp_path):
+    """Picking another label column of the same local dataset (the first pick wrong) must not
+    hand back the split cached with the first one's labels."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    images = list((rng.random((200, 8, 8)) * 255).astype(np.uint8))
+    labels = rng.integers(0, 10, 200)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"image": images, "label": labels.tolist(),
+                                "coarse": (labels // 5).tolist()}).save_to_disk(str(saved))
+    cache = tmp_path / "cache"
+    fine = _data(cache, dataset=str(saved), partitioner="iid")
+    coarse = _data(cache, dataset=str(saved), partitioner="iid", **{"label-column": "coarse"})
+    assert _same(coarse, _data(None, dataset=str(saved), partitioner="iid",
+                               **{"label-column": "coarse"}))
+    assert not _same(fine, coarse)
+
+
+def test_every_setting_the_data_code_reads_is_in_the_cache_key():
+    """A setting the split depends on but the key leaves out gives back a stale split once it
+    changes (``label-column`` and ``image-column`` once were left out). ``model`` is read only
+    to name the default backbone."""
+    import dataclasses
+    import re
+
+    from common.config import RunSettings
+
+    key_of = {f.name: f.metadata["key"] for f in dataclasses.fields(RunSettings)
+              if "key" in f.metadata}
+    read = {attribute for path in (ROOT / "fldata").glob("*.py")
+            for attribute in re.findall(r"settings\.(\w+)", path.read_text())}
+    assert {key_of[a] for a in read if a in key_of} - {"model"} <= set(DATA_KEYS)
