@@ -232,6 +232,22 @@ def test_search_order(isolated_search, tmp_path, monkeypatch):
     assert found(dataset="fashion-mnist") == cache / "fashion-mnist"
 
 
+def test_a_cached_split_follows_where_the_pool_is_read_from(isolated_search, tmp_path,
+                                                           monkeypatch):
+    """mnist without ``data-root`` is read from the first copy found: a copy that appears in
+    ``$PFLOWER_DATA_ROOT`` later is another pool, and a site's cached split of the first one
+    is not handed back for it."""
+    write_dataset(isolated_search / ".cache" / "pflower" / "mnist", seed=0)
+    settings = RunSettings.from_run_config(app_config(dataset="mnist", partitioner="iid"))
+    partitions = tmp_path / "partitions"
+    before = load_client_data(settings, 0, 2, cache_dir=partitions)
+    monkeypatch.setenv(ENV_ROOT, str(tmp_path / "env"))
+    write_dataset(tmp_path / "env" / "mnist", seed=5)
+    after = load_client_data(settings, 0, 2, cache_dir=partitions)
+    assert rows(after.x_train) == rows(load_client_data(settings, 0, 2).x_train)
+    assert rows(after.x_train) != rows(before.x_train)
+
+
 def test_data_root_without_the_files_stops_with_one_line(isolated_search, tmp_path):
     settings = RunSettings.from_run_config(app_config(
         dataset="fashion-mnist", **{"data-root": str(tmp_path / "nothing")}))

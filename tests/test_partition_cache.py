@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fldata import load_client_data
+from fldata import SyntheticSettings, load_client_data
 from fldata.cache import DATA_KEYS
 from strategies.registry import load_settings
 from tests.conftest import ROOT, app_config
@@ -127,6 +127,10 @@ def test_every_setting_the_data_code_reads_is_in_the_cache_key():
 
     key_of = {f.name: f.metadata["key"] for f in dataclasses.fields(RunSettings)
               if "key" in f.metadata}
-    read = {attribute for path in (ROOT / "fldata").glob("*.py")
+    read = {attribute for path in (ROOT / "fldata").rglob("*.py")
             for attribute in re.findall(r"settings\.(\w+)", path.read_text())}
+    assert read - set(key_of) == {"raw"}  # a new kind of read must be looked at here
     assert {key_of[a] for a in read if a in key_of} - {"model"} <= set(DATA_KEYS)
+    # what the data code reads through ``raw``: the synthetic keys, hashed by their prefix
+    synthetic_keys = SyntheticSettings.keys()
+    assert synthetic_keys and all(k.startswith("synthetic.") for k in synthetic_keys)
