@@ -315,11 +315,12 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
     if cache_dir is None:
         split = compute()
     else:
-        # where the pool is read from: a named dataset's local copy is searched for
-        # ($PFLOWER_DATA_ROOT, the user's cache, the system folder), else it comes from the hub
-        pool = None if data_dir else pool_source(settings)
-        sources = [fingerprint(p) for p in (data_dir, settings.data_root) if p]
-        sources.append(["pool", pool, None if pool in (None, "digits") else fingerprint(pool)])
+        if data_dir:  # a device's own data, used whole
+            sources = [fingerprint(data_dir)]
+        else:  # the files the pool is read from: a local path, or the local copy of a named
+            # dataset the search finds (data-root, $PFLOWER_DATA_ROOT, ...); None: the hub
+            pool = pool_source(settings)
+            sources = [["pool", pool, None if pool in (None, "digits") else fingerprint(pool)]]
         split = cached_split(cache_dir, cache_key(
             {**settings.raw, "data-dir": data_dir}, partition_id, num_partitions, sources),
             compute)
