@@ -318,9 +318,11 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
         if data_dir:  # a device's own data, used whole
             sources = [fingerprint(data_dir)]
         else:  # the files the pool is read from: a local path, or the local copy of a named
-            # dataset the search finds (data-root, $PFLOWER_DATA_ROOT, ...); None: the hub
+            # dataset the search finds (data-root, $PFLOWER_DATA_ROOT, ...); None: the hub; a
+            # dataset's own name: made in memory (digits, synthetic-fedfac), no file
             pool = pool_source(settings)
-            sources = [["pool", pool, None if pool in (None, "digits") else fingerprint(pool)]]
+            sources = [["pool", pool,
+                        None if pool is None or pool in DATASETS else fingerprint(pool)]]
         split = cached_split(cache_dir, cache_key(
             {**settings.raw, "data-dir": data_dir}, partition_id, num_partitions, sources),
             compute)
