@@ -1,6 +1,6 @@
-"""Differential privacy (docs/privacy.md): clipping, noise, adaptive clipping, the
-accountant against dp-accounting's own computation, the budget stop, and the configs that
-would break the bound."""
+"""Differential privacy (docs/privacy.md): clipping, noise, the accountant against
+dp-accounting's own computation, the budget stop, and the configs that would break the bound
+(adaptive clipping: test_adaptive_clipping.py)."""
 
 from __future__ import annotations
 
@@ -128,6 +128,9 @@ def test_an_update_just_past_the_clip_norm_is_clipped_by_the_client_and_the_serv
     merged, clipped_here = noised_mean([[trained[k] for k in SHAPES]],
                                        [start[k] for k in SHAPES], 1.0, 0.0, NoNoise())
     assert clipped_here == 1
+    # the client's own clip is not the server's; one 1% past the norm (not rounding) is
+    assert noised_mean([[sent[k].numpy() for k in SHAPES], list(along(rng, start, 1.01).values())],
+                       [start[k] for k in SHAPES], 1.0, 0.0, NoNoise())[1] == 1
     assert norm({k: merged[i] - start[k] for i, k in enumerate(SHAPES)}) == \
         pytest.approx(1.0, rel=1e-9)
 
@@ -152,34 +155,20 @@ def test_a_client_clips_to_the_rounds_clip_norm_and_says_so_only_to_a_trusted_se
 
 def test_a_drawn_client_whose_update_did_not_arrive_counts_as_a_zero_update():
     """The mean is over the clients drawn, not the replies: 4 drawn, 2 replied with the same
-    update, the merge moves by half of it (a drop must not show through the mean)."""
+    update, the merge moves by half of it (a drop must not show through the mean). The
+    clipped fraction reported is of the replies: a missing one has no clipped bit."""
     rng = np.random.default_rng(6)
     start = arrays(rng, 1.0)
     trained = along(rng, start, 0.5)
     ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": 1.0}),
                                        rng=NoNoise()), 8)
     ledger.round_drawn(["0", "1", "2", "3"], 8)
-    merged = ledger.merge([reply("0", trained, 0.0), reply("1", trained, 0.0)],
+    merged = ledger.merge([reply("0", trained, 0.0), reply("1", trained, 1.0)],
                           list(SHAPES), record(start))
+    assert ledger.account(True)["clipped_fraction"] == 0.5
     for k in SHAPES:
         np.testing.assert_allclose(merged[k].numpy() - start[k],
                                    (trained[k] - start[k]) / 2, atol=1e-6)
-
-
-def test_adaptive_clipping_counts_a_missing_client_as_the_zero_update_the_mean_counts():
-    """Andrew et al.'s step over the clients drawn (a fixed denominator): 4 drawn, 2 replied,
-    one of them clipped, no noise on the count. The two missing count as zero updates,
-    unclipped, as in the mean: 3 of 4 unclipped, so at target quantile 0.5 the clip norm
-    moves by exp(-clip-lr * 0.25) (over the arrivals, 1 of 2, it would not move; counting
-    the missing as clipped, 1 of 4, it would grow)."""
-    run = settings(**{"dp.adaptive-clipping": True, "dp.clip-norm": 1.0,
-                      "dp.noise-multiplier": 1.0, "dp.clipped-count-stddev": 5.0})
-    start = arrays(np.random.default_rng(7), 1.0)
-    ledger = population(PrivacyLedger(run, rng=NoNoise()), 8)
-    ledger.round_drawn(["0", "1", "2", "3"], 8)
-    ledger.merge([reply("0", start, 1.0), reply("1", start, 0.0)], list(SHAPES),
-                 record(start))
-    assert ledger.clip_norm == pytest.approx(math.exp(-run.dp_clip_lr * 0.25), rel=1e-12)
 
 
 def test_a_central_round_that_merged_nothing_releases_nothing():
@@ -191,30 +180,6 @@ def test_a_central_round_that_merged_nothing_releases_nothing():
     assert ledger.account(False) == {"mode": "central", "epsilon": spent,
                                      "delta": default_delta(10), "noise_multiplier": 1.0,
                                      "clip_norm": 1.0, "clipped_fraction": None}
-
-
-def test_adaptive_clipping_follows_the_target_quantile_and_bounds_every_update():
-    """Clients' update norms spread over [0.5, 4.5]: with target quantile 0.5 the clip norm
-    moves from 0.2 towards their median (2.5), and in every round the merge counts no
-    update longer than that round's clip norm."""
-    run = settings(**{"dp.adaptive-clipping": True, "dp.clip-norm": 0.2,
-                      "dp.noise-multiplier": 1.0, "dp.clipped-count-stddev": 5.0})
-    ledger = population(PrivacyLedger(run, rng=NoNoise()), 9)
-    rng = np.random.default_rng(2)
-    start = arrays(rng, 1.0)
-    norms = []
-    for _ in range(60):
-        clip_norm = ledger.clip_norm
-        replies = []
-        for i, length in enumerate(np.linspace(0.5, 4.5, 9)):
-            replies.append(reply(str(i), along(rng, start, length),
-                                 float(length > clip_norm)))  # the client did not clip
-        ledger.round_drawn([str(i) for i in range(9)], 9)
-        merged = ledger.merge(replies, list(SHAPES), record(start))
-        mean_update = {k: merged[k].numpy().astype(np.float64) - start[k] for k in SHAPES}
-        assert norm(mean_update) <= clip_norm * (1 + 1e-5)  # a mean of clipped updates
-        norms.append(clip_norm)
-    assert norms[0] == 0.2 and 2.0 < norms[-1] < 3.0, norms[-5:]
 
 
 def test_the_noise_is_noise_multiplier_times_clip_norm_on_the_sum():
@@ -279,12 +244,12 @@ def test_local_epsilon_is_the_most_drawn_clients_composition_without_amplificati
     ledger = population(PrivacyLedger(settings(**{"dp.mode": "local", "dp.noise-multiplier": z,
                                                   "dp.delta": 1e-5})), 10)
     draws = [["0", "1"], ["0", "2"], ["0", "3"], ["4", "5"]]  # client 0: three times
-    for drawn in draws:
+    for drawn, most in zip(draws, (1, 2, 3, 3), strict=True):
         ledger.round_drawn(drawn, 10)
         spent = ledger.account(True)
-    expected = reference_epsilon(dp_event.GaussianDpEvent(z / 2),
-                                 NeighboringRelation.ADD_OR_REMOVE_ONE, 3, 1e-5)
-    assert spent["epsilon"] == pytest.approx(expected, rel=1e-12)
+        assert spent["epsilon"] == pytest.approx(reference_epsilon(
+            dp_event.GaussianDpEvent(z / 2), NeighboringRelation.ADD_OR_REMOVE_ONE, most,
+            1e-5), rel=1e-12)
     assert spent["clipped_fraction"] is None  # no clipped bit leaves a local-DP client
 
 
@@ -323,6 +288,14 @@ def test_the_privacy_state_survives_a_checkpoint(tmp_path):
     restored.restore(load_tree(tmp_path / "checkpoint.npz")["privacy"])
     assert restored.clip_norm == ledger.clip_norm != run.dp_clip_norm
     assert restored.epsilon() == first["epsilon"] > 0
+
+
+def test_the_population_is_never_fewer_than_the_clients_identified():
+    """N, for the sampling ratio and the default delta: the clients' reported partitions,
+    but sites that under-report cannot make it smaller than the clients the server knows."""
+    ledger = PrivacyLedger(settings())
+    ledger.fix_population({str(i): {"num-partitions": 2} for i in range(5)})
+    assert ledger.population == 5 and ledger.delta() == default_delta(5)
 
 
 def test_a_mistake_that_shows_only_with_the_clients_stops_before_round_one():

@@ -36,6 +36,7 @@ from flwr.supercore.differential_privacy import compute_adaptive_noise_params
 
 from common.config import ConfigError, RunSettings
 from common.protocol import DP_CLIP_NORM, DP_CLIPPED, NUM_PARTITIONS, ClientReply
+from strategies.engine.round_plan import draw_size
 from strategies.privacy import accounted_noise_multiplier, noised_mean, secret_rng
 
 
@@ -95,7 +96,7 @@ class PrivacyLedger:
 
     def expected_drawn(self) -> int:
         """The clients a round draws when all ``N`` are eligible."""
-        return max(int(self.population * self.settings.fraction_train), 1)
+        return draw_size(self.population, self.settings.fraction_train)
 
     def round_drawn(self, drawn: list[str], eligible: int) -> None:
         """The round's draw (``drawn``: an id per node drawn, of ``eligible``), before any

@@ -58,6 +58,7 @@ from strategies.engine.round_plan import (
     RoundOutcome,
     RoundPlan,
     RoundReplies,
+    draw_size,
     read_round,
 )
 from strategies.engine.rule import MethodRule, RuleContext
@@ -223,8 +224,7 @@ class RoundEngine(Generic[MethodSettingsT]):
 
     def draw(self, eligible: list[int], fraction: float) -> Drawn:
         """A ``fraction`` of the ``eligible`` nodes (at least one), by the run's sampler."""
-        node_ids = self.sampler.sample(eligible, min(len(eligible),
-                                                     max(int(len(eligible) * fraction), 1)))
+        node_ids = self.sampler.sample(eligible, draw_size(len(eligible), fraction))
         return {n: self.nodes.client_of(n) for n in node_ids}
 
     def read(self, plan: RoundPlan, batch: Exchange) -> RoundReplies:

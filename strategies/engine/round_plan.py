@@ -50,6 +50,12 @@ Drawn = dict[int, str | None]
 """node -> client id (None: a node not identified yet)."""
 
 
+def draw_size(eligible: int, fraction: float) -> int:
+    """How many of ``eligible`` nodes a round draws at ``fraction``: rounded down, as
+    Flower's own strategies sample, but at least one and at most all."""
+    return min(eligible, max(int(eligible * fraction), 1))
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """Who round ``round``'s exchange asks for what, fixed before anything is sent."""
