@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -189,76 +188,6 @@ def test_an_identify_reply_lacking_partition_entries_is_dropped_fedfac():
 
 
 # ---------------------------------------------------------------------- identity
-def _claims(strategy, nodes: dict[int, str], names: dict[int, str] | None = None,
-            server_round: int = 1) -> list[str]:
-    """Identify replies of ``nodes`` (node -> claimed id), through the validation path; the
-    client ids accepted."""
-    strategy.nodes.observe([SimpleNamespace(node_id=n, name=(names or {}).get(n, ""))
-                            for n in {*(strategy.nodes.live or ()), *nodes}])
-    sent, replies = [], []
-    for node, client_id in nodes.items():
-        message = Message(RecordDict({CONFIG: ConfigRecord({"action": "identify"})}),
-                          dst_node_id=node, message_type=MessageType.QUERY)
-        reply = Message(RecordDict({CLIENT: ConfigRecord({
-            "client-id": client_id, "partition-id": 0, "num-partitions": 1})}),
-            reply_to=message)
-        sent.append(message)
-        replies.append((node, reply))
-    return [r.client_id for r in strategy.replies.valid(
-        server_round, "identify", Exchange(sent, replies), None)]
-
-
-def test_a_registered_node_speaks_only_for_its_name_or_its_mapped_ids():
-    strategy, _ = _strategy(**{"identity.node-owners": "gateway=site-7, gateway=site-8"})
-    names = {1: "site-0", 2: "site-1", 3: "gateway"}
-    assert _claims(strategy, {1: "site-0", 2: "site-0", 3: "site-7"}, names) == ["site-0",
-                                                                                  "site-7"]
-    reason = strategy.ledger.record(1).dropped[0]["reason"]
-    assert "registered as site-1 may not speak for client id site-0" in reason
-    assert _claims(strategy, {3: "site-0"}, names) == []  # not among gateway's ids
-    assert strategy.nodes.node_to_client == {1: "site-0", 3: "site-7"}
-
-
-def test_require_registered_refuses_nodes_without_a_name():
-    strategy, _ = _strategy(**{"identity.require-registered": True})
-    assert _claims(strategy, {1: "site-0"}) == []
-    assert "no registered name" in strategy.ledger.record(1).dropped[0]["reason"]
-
-
-def test_without_authentication_a_live_holder_is_not_evicted_but_a_dead_one_is():
-    strategy, _ = _strategy()
-    assert _claims(strategy, {1: "0"}) == ["0"]
-    assert _claims(strategy, {2: "0"}) == []  # node 1 is live and answered: refused
-    assert "held by live node 1" in strategy.ledger.record(1).dropped[0]["reason"]
-    assert strategy.nodes.samplable([1, 2]) == [1]  # the refused node gets no work
-    strategy.nodes.missed([1])  # node 1 missed a message (a SuperNode that died) ...
-    assert _claims(strategy, {2: "0"}, server_round=2) == ["0"]  # ... its client rejoins
-    assert strategy.nodes.samplable([1, 2]) == [2]
-    strategy.nodes.observe([SimpleNamespace(node_id=2, name="")])  # node 1 is gone
-    assert _claims(strategy, {3: "0"}, server_round=3) == []  # node 2 is live
-
-
-def test_simultaneous_claims_of_a_free_id_are_all_refused():
-    strategy, _ = _strategy()
-    assert _claims(strategy, {1: "0", 2: "0", 3: "1"}) == ["1"]
-    reasons = [d["reason"] for d in strategy.ledger.record(1).dropped]
-    assert len(reasons) == 2 and all("several nodes" in r for r in reasons)
-
-
-def test_client_ids_are_capped_and_expire_with_their_tables():
-    strategy, _ = _strategy("pfedc", **{"identity.max-clients": 2,
-                                        "identity.expire-rounds": 3})
-    assert _claims(strategy, {1: "a", 2: "b", 3: "c"}) == ["a", "b"]
-    assert "max-clients=2" in strategy.ledger.record(1).dropped[0]["reason"]
-    strategy.evaluation.per_client_accuracy.update({"a": 0.5, "b": 0.6})
-    strategy.rule.task_weights.update({"a": [1.0], "b": [1.0]})
-    assert _claims(strategy, {2: "b"}, server_round=4) == ["b"]
-    strategy.forget_expired(5)  # "a" last heard from in round 1
-    assert set(strategy.evaluation.per_client_accuracy) == set(strategy.rule.task_weights) == {"b"}
-    assert strategy.nodes.client_of(1) is None
-    assert _claims(strategy, {3: "c"}, server_round=5) == ["c"]  # room again
-
-
 def test_example_counts_are_pinned_at_the_first_report():
     strategy, _ = _strategy()
     client = make_client(0, app_config())
