@@ -270,13 +270,15 @@ def _hub_partition(settings: RunSettings, partition_id: int,
     return arrays_from_hf(part, info.label_column, image_column)
 
 
-def partition_arrays(settings: RunSettings, partition_id: int,
-                     num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
-    """Partition ``partition_id`` of the run's dataset (train and test together)."""
+def partition_arrays(settings: RunSettings, partition_id: int, num_partitions: int,
+                     source: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Partition ``partition_id`` of the run's dataset (train and test together), its pool
+    read from ``source`` (``pool_source``: looked up once by the caller, so that what it
+    reads is what the partition cache's key names)."""
     if settings.dataset == "synthetic-fedfac":
         return synthetic_generator(settings).client(
             settings.seed, partition_id, SyntheticSettings.parse(settings.raw).num_samples)
-    if (source := pool_source(settings)) is None:
+    if source is None:
         return _hub_partition(settings, partition_id, num_partitions)
     x_pool, y_pool = _checked_pool(settings, source)
     if settings.partitioner == "natural":
@@ -308,19 +310,20 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
         raise ConfigError(f"partition-id: {partition_id} is out of range; allowed: "
                           f"[0, {num_partitions - 1}]")
     _, num_classes = dataset_shape(settings)
+    # where the pool is read from: a local path, or the local copy of a named dataset the
+    # search finds (data-root, $PFLOWER_DATA_ROOT, ...); None: the hub; a dataset's own name:
+    # made in memory (digits, synthetic-fedfac), no file
+    pool = None if data_dir else pool_source(settings)
 
     def compute() -> dict[str, np.ndarray]:
-        return _split(settings, partition_id, num_partitions, num_classes, data_dir)
+        return _split(settings, partition_id, num_partitions, num_classes, data_dir, pool)
 
     if cache_dir is None:
         split = compute()
     else:
         if data_dir:  # a device's own data, used whole
             sources = [fingerprint(data_dir)]
-        else:  # the files the pool is read from: a local path, or the local copy of a named
-            # dataset the search finds (data-root, $PFLOWER_DATA_ROOT, ...); None: the hub; a
-            # dataset's own name: made in memory (digits, synthetic-fedfac), no file
-            pool = pool_source(settings)
+        else:  # the files the pool is read from
             sources = [["pool", pool,
                         None if pool is None or pool in DATASETS else fingerprint(pool)]]
         split = cached_split(cache_dir, cache_key(
@@ -331,11 +334,11 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
 
 
 def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_classes: int,
-           data_dir: str | None) -> dict[str, np.ndarray]:
+           data_dir: str | None, pool: str | None) -> dict[str, np.ndarray]:
     if data_dir:
         x, y = load_local(Path(data_dir), settings.label_column, settings.image_column)
     else:
-        x, y = partition_arrays(settings, partition_id, num_partitions)
+        x, y = partition_arrays(settings, partition_id, num_partitions, pool)
     # Split before permuting and shifting, so that permute-labels changes the labels and
     # feature-shift the images, and nothing else: the same examples, in the same order.
     train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)

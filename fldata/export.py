@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import RunSettings
-from fldata import partition_arrays
+from fldata import partition_arrays, pool_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,9 +24,9 @@ def export_sites(out: Path, sites: int, overrides: dict | None = None) -> list[P
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     settings = RunSettings.from_run_config({**config, **(overrides or {})})
     name = Path(settings.dataset).stem if "/" in settings.dataset else settings.dataset
-    written = []
+    written, source = [], pool_source(settings)
     for site in range(sites):
-        x, y = partition_arrays(settings, site, sites)
+        x, y = partition_arrays(settings, site, sites, source)
         path = out / f"site-{site}" / "data" / f"{name}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(path, x=x, y=y)

@@ -14,6 +14,7 @@ import datasets
 import numpy as np
 import pytest
 
+import fldata
 from bench.data import ensure_dataset
 from common.config import ConfigError, RunSettings
 from fldata import (
@@ -246,6 +247,28 @@ def test_a_cached_split_follows_where_the_pool_is_read_from(isolated_search, tmp
     after = load_client_data(settings, 0, 2, cache_dir=partitions)
     assert rows(after.x_train) == rows(load_client_data(settings, 0, 2).x_train)
     assert rows(after.x_train) != rows(before.x_train)
+
+
+def test_a_split_is_cut_from_the_pool_its_cache_key_names(isolated_search, tmp_path,
+                                                          monkeypatch):
+    """Where the pool is read from is looked up once a load: a copy that appears in
+    ``$PFLOWER_DATA_ROOT`` while a split is computed is not what gets stored under the key
+    of the copy found before it."""
+    write_dataset(isolated_search / ".cache" / "pflower" / "mnist", seed=0)
+    settings = RunSettings.from_run_config(app_config(dataset="mnist", partitioner="iid"))
+    looked_up = fldata.pool_source
+
+    def a_copy_appears(run: RunSettings) -> str | None:
+        found = looked_up(run)
+        monkeypatch.setenv(ENV_ROOT, str(tmp_path / "env"))
+        write_dataset(tmp_path / "env" / "mnist", seed=5)
+        return found
+
+    monkeypatch.setattr(fldata, "pool_source", a_copy_appears)
+    cached = load_client_data(settings, 0, 2, cache_dir=tmp_path / "partitions")
+    monkeypatch.setattr(fldata, "pool_source", looked_up)
+    monkeypatch.delenv(ENV_ROOT)
+    assert rows(cached.x_train) == rows(load_client_data(settings, 0, 2).x_train)
 
 
 def test_data_root_without_the_files_stops_with_one_line(isolated_search, tmp_path):

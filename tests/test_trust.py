@@ -1,6 +1,7 @@
 """Trust boundaries (docs/security.md): every malformed reply is dropped by the one
-validation path without stopping anything, client ids are bound to nodes, influence on the
-shared model is bounded, and state on disk is durable and loads without running code."""
+validation path without stopping anything, influence on the shared model is bounded, and
+state on disk is durable and loads without running code (client ids bound to nodes:
+test_identity.py)."""
 
 from __future__ import annotations
 
