@@ -1,0 +1,96 @@
+"""Which cells the evidence matrix reads for an ablation and a privacy level, which rows a
+``--only`` names, and which diverged runs it keeps (``bench/evidence/cells.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.evidence import protocol
+from bench.evidence.cells import Matrix, select
+from bench.evidence.protocol import SCENARIOS
+from common.protocol import NOT_FINITE
+from launch.federation import FlowerRun
+from tests.test_matrix import COMMON_DIGITS, _store, _tuned_fedavg
+
+SCENARIO = "dirichlet-0.1"
+
+
+def _report(matrix: Matrix, item, config: dict, seeds, rising: float = 0.0,
+            stage: str = "report") -> None:
+    for seed in seeds:
+        _store(matrix, SCENARIO, item, config, [0.5 + rising * r for r in range(2)],
+               stage=stage, seed=seed)
+
+
+def test_an_ablation_is_its_rows_reported_configuration_with_its_change_winning(tmp_path,
+                                                                               capsys):
+    """On the report seeds and on every extra seed the row ran; the change replaces a key the
+    configuration sets (here the learning rate itself)."""
+    offline, item, tuned = _tuned_fedavg(tmp_path)
+    probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "")
+    extra = protocol.EXTRA_SEEDS[0]
+    _report(offline, item, tuned, (*protocol.REPORT_SEEDS, extra))  # flat: converged
+    changed = {**tuned, "lr": 0.5}
+    _report(offline, item, changed, (*protocol.REPORT_SEEDS, extra), stage="ablation")
+    cells = offline.ablation(probe, may_run=False)
+    assert [c["seed"] for c in cells] == [*protocol.REPORT_SEEDS, extra]
+    assert all(c["config"] == changed for c in cells)
+
+    untuned = Matrix(None, COMMON_DIGITS, tmp_path / "other", num_clients=3)
+    assert untuned.ablation(probe) == []
+    assert "dirichlet-0.1/fedavg: not tuned yet, no ablation" in capsys.readouterr().err
+
+
+def test_a_privacy_level_runs_at_the_scenarios_rounds_even_where_the_row_doubled_them(
+        tmp_path):
+    """Every row spends the same epsilon at a noise level: its privacy cells run the tuned
+    configuration at the scenario's rounds, and are compared with its report cells there,
+    although the row, still rising, reports twice the rounds."""
+    offline, item, tuned = _tuned_fedavg(tmp_path)
+    _report(offline, item, tuned, protocol.REPORT_SEEDS, rising=0.05)  # not converged
+    assert offline.reported(SCENARIO, item)[0] == {**tuned, "num-server-rounds": 4}
+    level = protocol.Ablation(SCENARIO, "fedavg", protocol.privacy_change(1.0), "")
+    _report(offline, item, {**tuned, **level.change}, protocol.REPORT_SEEDS, stage="privacy")
+    private, clean = offline.privacy(level, may_run=False)
+    assert [c["config"] for c in private] == [{**tuned, **level.change}] * 5
+    assert [c["config"] for c in clean] == [tuned] * 5
+
+    untuned = Matrix(None, COMMON_DIGITS, tmp_path / "other", num_clients=3)
+    assert untuned.privacy(level) == ([], [])
+
+
+def test_only_names_rows_by_label_method_or_scenario_and_label():
+    labels = [e.label for _, e in select([SCENARIO], ["fedfac"])]
+    assert labels == ["fedfac", "fedfac@dynamic"]  # both rows of the method
+    assert [e.label for _, e in select([SCENARIO], ["fedfac@dynamic"])] == ["fedfac@dynamic"]
+    assert [(s, e.label) for s, e in select([SCENARIO, "cross-device"],
+                                            ["cross-device/fedper"])] == [("cross-device",
+                                                                           "fedper")]
+
+
+class _DivergingFederation:
+    """Every run ends as a diverged one does: failed, no reply with finite values left."""
+
+    def run(self, app: Path, run_config: dict, num_supernodes: int,
+            timeout: float) -> FlowerRun:
+        out = Path(run_config["output-dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        reason = f"round 2: no valid train reply (3 dropped: loss {NOT_FINITE})"
+        (out / "results.json").write_text(json.dumps({"status": "failed", "reason": reason,
+                                                      "rounds": []}))
+        return FlowerRun(0, "", "1", "finished:failed", reason)
+
+
+def test_a_diverged_run_is_a_result_of_a_search_or_a_privacy_level_never_of_a_report(
+        tmp_path):
+    """Under DP noise or at a searched learning rate, diverging is what the configuration
+    does; a report seed that diverged is tried again by the next invocation."""
+    matrix = Matrix(_DivergingFederation(), COMMON_DIGITS, tmp_path, num_clients=3)
+    item = next(e for e in SCENARIOS[SCENARIO].entries if e.label == "fedavg")
+    for stage in ("tune", "privacy", "report", "ablation"):
+        cell = matrix.cell(SCENARIO, item, stage, {"lr": 0.3}, 1)
+        kept = protocol.cell_path(tmp_path, SCENARIO, "fedavg", stage, {"lr": 0.3}, 1).exists()
+        assert (cell is not None, kept) == ((True, True) if stage in ("tune", "privacy")
+                                            else (False, False)), stage
+        assert cell is None or cell["status"] == "diverged"
