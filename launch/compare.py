@@ -28,6 +28,7 @@ which), 2 for a mistake in the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import shlex
@@ -307,12 +308,9 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
     if len(set(budgets(rows).values())) > 1:
         print(f"[compare] unequal tuning budgets ({budget_text(rows)}): the rows with more "
               "configurations are favoured", flush=True)
-    if federation is None:
-        # the calling folder's modules (a user's model factory) import in every run
-        with warm_federation(pythonpath=[Path.cwd()]) as comparison.federation:
-            summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference,
-                              args.margin / 100)
-    else:
+    # the calling folder's modules (a user's model factory) import in every run
+    with (warm_federation(pythonpath=[Path.cwd()]) if federation is None
+          else contextlib.nullcontext(federation)) as comparison.federation:
         summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference,
                           args.margin / 100)
     print(write_report(summary, out, command))

@@ -1,0 +1,128 @@
+"""compare's protocol, on a federation whose runs are scripted (their figures chosen here, so
+that a wrong choice shows): which runs it makes, what it chooses them on, which rows it
+compares at which margin, what it warns about and how it exits. The real runs are in
+test_compare.py's one comparison."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from launch.compare import main, seed_list
+from launch.federation import FlowerRun
+
+
+class _ScriptedFederation:
+    """Each run writes the results.json of a completed run whose accuracy ``script`` gives
+    for its run config (None: the run fails), and is remembered."""
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self.runs: list[dict] = []
+
+    def flwr_run(self, app: Path, run_config: dict, federation_config: dict,
+                 timeout: float) -> FlowerRun:
+        self.runs.append(run_config)
+        accuracy = self.script(run_config)
+        if accuracy is None:
+            return FlowerRun(1, "the scripted run failed", None, "", "scripted")
+        figures = {"accuracy_weighted": accuracy, "accuracy_mean": accuracy,
+                   "accuracy_min": accuracy}
+        rounds = [{"round": r, "eval": figures, "bytes_up": 1024} for r in (1, 2)]
+        out = Path(run_config["output-dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({
+            "status": "completed", "rounds": rounds,
+            "evaluated_on": "validation" if run_config.get("validation-fraction") else "test",
+            "final": {**figures, "bytes_up_total": 2048, "seconds_total": 1.0}}))
+        return FlowerRun(0, "", "1", "finished:completed")
+
+
+def _script(config: dict) -> float | None:
+    """local's lr 0.1 wins on validation splits and loses on test splits (a choice made on
+    test figures would take 0.01); fedper's tuning runs, fedbn's report runs and fedavg's
+    seed 3 fail."""
+    lr, seed, method = config.get("lr"), config["seed"], config["method"]
+    tuning = "validation-fraction" in config
+    if ((method == "fedper" and tuning) or (method == "fedbn" and not tuning)
+            or (method == "fedavg" and seed == 3)):
+        return None
+    if tuning:
+        return {0.1: 0.8, 0.01: 0.6}[lr]
+    return (0.70 if method == "fedavg" else 0.75 if lr == 0.1 else 0.95) + 0.001 * seed
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "out"
+    federation = _ScriptedFederation(_script)
+    argv = ["--methods", "fedavg,local:lr=0.01|0.1,fedper:lr=0.01|0.1,fedbn:lr=0.01|0.1",
+            "--seeds", "1,2,3",
+            "--supernodes", "2", "--out", str(out), "num-server-rounds=2"]
+    code = main(argv, federation=federation)
+    return code, federation.runs, json.loads((out / "summary.json").read_text())
+
+
+def test_tuning_runs_score_on_validation_splits_of_the_tuning_seed_and_reports_on_test(
+        scripted):
+    _, runs, summary = scripted
+    tuning = [r for r in runs if "validation-fraction" in r]
+    assert {(r["method"], r["lr"], r["seed"], r["validation-fraction"]) for r in tuning} == {
+        (m, lr, 0, 0.2) for m in ("local", "fedper", "fedbn") for lr in (0.01, 0.1)}
+    reports = [r for r in runs if "validation-fraction" not in r]
+    assert sorted((r["method"], r["seed"]) for r in reports) == [
+        (m, seed) for m in ("fedavg", "fedbn", "local") for seed in (1, 2, 3)]
+    assert summary["rows"]["local"]["chosen"] == {"lr": 0.1}  # its validation figure's best
+    assert {t["evaluated_on"] for t in summary["rows"]["local"]["tuning"]} == {"validation"}
+    assert summary["rows"]["fedavg"]["tuning"] == []  # nothing to tune: no tuning run
+
+
+def test_rows_are_compared_with_the_reference_at_the_margin_in_points(scripted):
+    _, _, summary = scripted
+    assert summary["protocol"]["margin"] == -0.01  # --margin -1 (points)
+    assert "versus_reference" not in summary["rows"]["fedavg"]
+    assert summary["rows"]["local"]["versus_reference"]["seeds"] == ["1", "2"]  # no fedavg 3
+
+
+def test_failed_runs_are_listed_rows_without_a_tuning_or_report_run_left_out_exit_1(
+        scripted):
+    code, _, summary = scripted
+    assert code == 1 and list(summary["rows"]) == ["fedavg", "local"]
+    assert sorted(f.split(":")[0] for f in summary["failed"]) == [
+        "fedavg report defaults seed 3", *(f"fedbn report lr=0.1 seed {s}" for s in (1, 2, 3)),
+        "fedper tune lr=0.01 seed 0", "fedper tune lr=0.1 seed 0"]
+
+
+def test_unequal_budgets_are_said_before_anything_runs(tmp_path, capsys):
+    federation = _ScriptedFederation(_script)
+    main(["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1", "--supernodes", "2",
+          "--out", str(tmp_path / "out"), "num-server-rounds=2"], federation=federation)
+    said = capsys.readouterr().out
+    assert "[compare] unequal tuning budgets (fedavg 1, local 2)" in said
+    assert said.index("unequal tuning budgets") < said.index("running")
+
+
+def test_a_tuning_seed_among_the_report_seeds_is_refused_only_where_a_row_has_a_grid(
+        tmp_path):
+    federation = _ScriptedFederation(_script)
+    assert main(["--methods", "fedavg,local", "--seeds", "0,1", "--supernodes", "2", "--out",
+                 str(tmp_path / "out"), "num-server-rounds=2"], federation=federation) == 0
+    assert [r["seed"] for r in federation.runs] == [0, 1, 0, 1]
+
+
+def test_a_folder_of_runs_with_another_number_of_clients_is_refused(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "clients.json").write_text(json.dumps({"supernodes": 3}))
+    assert main(["--methods", "fedavg", "--supernodes", "2", "--out",
+                 str(tmp_path / "out")], federation=_ScriptedFederation(_script)) == 2
+    assert "holds runs with 3 clients (another split of the data)" in capsys.readouterr().err
+
+
+def test_seeds_are_distinct_integers():
+    assert seed_list("3, 1") == [3, 1]
+    for text in ("1,1", "", "a"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"integers|distinct seeds"):
+            seed_list(text)
