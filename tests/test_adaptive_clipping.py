@@ -72,7 +72,8 @@ def test_the_noise_multiplier_is_split_between_the_count_and_the_updates_at_the_
     read back from the clip norm's steps (a fixed-seed generator: within 2% and 5%)."""
     z, sigma_b, n = 0.8, 0.5, 4
     run = settings(**{"dp.adaptive-clipping": True, "dp.clip-norm": 1.0,
-                      "dp.noise-multiplier": z, "dp.clipped-count-stddev": sigma_b})
+                      "dp.noise-multiplier": z, "dp.clipped-count-stddev": sigma_b,
+                      "dp.clip-lr": 0.2, "dp.target-quantile": 0.5})  # e^-0.1 a round
     ledger = population(PrivacyLedger(run, rng=np.random.default_rng(9)), n)
     small = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     big = {"w": np.zeros((200, 300), np.float32)}

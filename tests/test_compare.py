@@ -94,7 +94,7 @@ def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():
     (["--methods", "fedavg@a/b"], "a row label holds no '/'"),
     (["--methods", "fedavg", "resume-from=x"], "resume-from: set by the command"),
     (["--methods", "fedavg", "--supernodes", "0"], "--supernodes: at least 1"),
-    (["--methods", "fedavg", "--validation-fraction", "1"], "1.0 is out of range"),
+    (["--methods", "fedavg", "--validation-fraction", "0.95"], "0.95 is out of range"),
     (["--methods", "fedavg", "--validation-fraction", "0"], "0.0 is out of range"),
 ])
 def test_a_mistake_in_the_command_is_one_line_and_exit_2_before_anything_runs(

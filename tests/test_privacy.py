@@ -131,6 +131,14 @@ def test_an_update_just_past_the_clip_norm_is_clipped_by_the_client_and_the_serv
     # the client's own clip is not the server's; one 1% past the norm (not rounding) is
     assert noised_mean([[sent[k].numpy() for k in SHAPES], list(along(rng, start, 1.01).values())],
                        [start[k] for k in SHAPES], 1.0, 0.0, NoNoise())[1] == 1
+    # nor is a float32 client's clip that rounding leaves a hair past the norm
+    start32 = arrays(rng, 1.0)
+    sent32 = [privatize_uplink(record({k: v.astype(np.float32) for k, v in along(
+        rng, start32, 1.5).items()}), record(start32), "central", 1.0, 1.0, NoNoise())[0]
+        for _ in range(20)]
+    assert noised_mean([[s[k].numpy() for k in SHAPES] for s in sent32],
+                       [start32[k].astype(np.float64) for k in SHAPES], 1.0, 0.0,
+                       NoNoise())[1] == 0
     assert norm({k: merged[i] - start[k] for i, k in enumerate(SHAPES)}) == \
         pytest.approx(1.0, rel=1e-9)
 
