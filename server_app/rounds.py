@@ -66,8 +66,7 @@ def check_resumable(checkpoint: dict[str, Any], run_config: dict[str, Any]) -> N
     """Refuse to continue a checkpoint made with another method or run config (keys outside
     ``RESUMABLE_KEYS``), or past the run's ``num-server-rounds``: one ``ConfigError`` line
     naming the differing keys, or the rounds."""
-    saved = dict(checkpoint.get("config", {}))
-    saved.setdefault("method", checkpoint.get("method"))
+    saved = dict(checkpoint.get("config", {}))  # the run config holds the method
     differing = sorted(k for k in set(saved) | set(run_config)
                        if k not in RESUMABLE_KEYS and saved.get(k) != run_config.get(k))
     if differing:

@@ -1,8 +1,7 @@
 """One round's exchange read once (``strategies/engine/round_plan.py: read_round``): each
 reply serves its jobs (a train update; an evaluator's evaluation of the last round), is
 dropped from each job it fails under that job's round, and speaks for its client id only
-when it serves one; and the loop (``server_app/rounds.py``) asks for an evaluation only
-when one is pending."""
+when it serves one (the loop that runs the rounds: test_round_loop.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +19,6 @@ from flwr.app import (
 
 from common.protocol import ARRAYS, CLIENT, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND
 from common.record import RoundRecord
-from server_app.results import ResultsRecorder
-from server_app.rounds import run_rounds
-from server_app.tracking import Tracking
 from strategies.engine import RoundEngine, RoundPlan
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import DivergenceWatch, RunFailedError
@@ -39,19 +35,22 @@ def _engine() -> tuple[RoundEngine, ArrayRecord]:
 
 
 def _train_reply(partition: int, arrays: ArrayRecord, arrays_ok: bool,
-                 evaluation: dict[str, float | int]) -> tuple[Message, Message]:
-    """Round 2's train message to partition ``partition``'s node and its reply: its honest
-    update (or one with a broken array) and ``evaluation`` (``eval-*`` metrics)."""
+                 evaluation: dict[str, float | int], examples: int = 50,
+                 node_id: int | None = None) -> tuple[Message, Message]:
+    """Round 2's train message to partition ``partition``'s node (or to ``node_id``) and its
+    reply: its honest update (or one with a broken array), ``examples`` training examples
+    and ``evaluation`` (``eval-*`` metrics)."""
     client = make_client(partition, app_config())
     message = Message(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({SERVER_ROUND: 2})}),
-                      dst_node_id=client.context.node_id, message_type=MessageType.TRAIN)
+                      dst_node_id=client.context.node_id if node_id is None else node_id,
+                      message_type=MessageType.TRAIN)
     uplink = client.shared_arrays(client.model(arrays), arrays, client.identity())
     if not arrays_ok:
         key = next(iter(uplink.keys()))
         uplink[key] = Array(np.zeros((3, *uplink[key].numpy().shape), np.float32))
     return message, Message(RecordDict({
         ARRAYS: uplink, CLIENT: client.identity(),
-        METRICS: MetricRecord({NUM_EXAMPLES: 50, "train-loss": 1.0, **evaluation})}),
+        METRICS: MetricRecord({NUM_EXAMPLES: examples, "train-loss": 1.0, **evaluation})}),
         reply_to=message)
 
 
@@ -98,23 +97,72 @@ def test_a_missing_node_is_dropped_from_each_of_its_jobs_and_every_reply_counts_
     assert engine.ledger.record(2).bytes_up == reply_0.content[ARRAYS].count_bytes()
 
 
-def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp_path):
-    """Its last checkpoint holds no pending evaluation: the loop has nothing to run, and no
-    evaluate exchange is sent (this one has no Grid: sending would fail), so results.json
-    gets no second entry for the last round."""
+def test_a_trainer_that_evaluates_gets_one_message_and_only_the_others_an_evaluate_one():
+    plan = RoundPlan(2, {1: "a", 2: "b"}, {2: "b", 3: "c"}, 1)
+    assert plan.evaluating_trainers() == {2}  # its train message carries the evaluation
+    assert plan.evaluating_only() == {3: "c"}
+
+
+def test_a_round_weighs_each_client_by_its_first_reported_example_counts():
+    """Example counts are pinned at a client's first report (``robust.ExampleCounts``), for
+    its update and for the evaluation its train reply carries, in a round's exchange too."""
     engine, arrays = _engine()
-    assert engine.evaluation_pending() is False  # nothing drawn before round 1
-    recorder = ResultsRecorder(engine.settings, engine, tmp_path, Tracking([], tmp_path, {}))
-    recorder.rounds = [RoundRecord().entry(r, 1.0) for r in (1, 2, 3)]
-    assert run_rounds(None, engine, recorder, arrays, 4, 3, ["1"]) == (arrays, "")
-    assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
-    # a checkpoint taken after round 3's training, before its evaluation: it is asked now
-    # (drawn here with nobody in it, fraction-evaluate = 0, so no Grid is needed)
-    engine.evaluation.draw({})
-    assert engine.evaluation_pending() is True
-    run_rounds(None, engine, recorder, arrays, 4, 3, ["1"])
-    assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 3]
-    assert engine.evaluation_pending() is False
+    for examples, tested in ((50, 20), (5000, 2000)):
+        sent, reply = _train_reply(0, arrays, True, {"eval-accuracy": 0.5,
+                                                     "eval-num-examples": tested}, examples)
+        read = engine.read(RoundPlan(2, {100: None}, {100: None}, 1),
+                           Exchange([sent], [(100, reply)]))
+        assert [r.num_examples for r in read.updates] == [50]
+        assert [r.num_examples for r in read.fused_evaluations] == [20]
+
+
+def test_the_evaluation_a_train_reply_carries_keeps_its_task_accuracy_and_cpu_time():
+    engine, arrays = _engine()
+    sent, reply = _train_reply(0, arrays, True, {**EVALUATION, "eval-task-accuracy": 0.25,
+                                                 "eval-cpu-seconds": 1.5})
+    read = engine.read(RoundPlan(2, {100: None}, {100: None}, 1),
+                       Exchange([sent], [(100, reply)]))
+    engine.evaluation.record_replies(1, read.evaluations, read.fused_evaluations)
+    record = engine.ledger.record(1)
+    assert record.eval["accuracy_weighted"] == 0.5 and record.eval["accuracy_task_mean"] == 0.25
+    assert record.cpu_seconds["clients_evaluate"] == 1.5
+
+
+def test_an_evaluation_of_no_examples_is_dropped_and_the_update_kept():
+    engine, arrays = _engine()
+    sent, reply = _train_reply(0, arrays, True, {"eval-accuracy": 0.5, "eval-num-examples": 0})
+    read = engine.read(RoundPlan(2, {100: None}, {100: None}, 1),
+                       Exchange([sent], [(100, reply)]))
+    assert [r.client_id for r in read.updates] == ["0"] and read.fused_evaluations == []
+    (dropped,) = engine.ledger.record(1).dropped
+    assert dropped["stage"] == "evaluate" and "eval-num-examples" in dropped["reason"]
+
+
+def test_a_bound_nodes_reply_that_serves_no_job_is_dropped_under_the_id_it_holds():
+    """Node 100 holds client 0; its broken reply claims client 1: the drop names client 0,
+    and the claim binds nothing."""
+    engine, arrays = _engine()
+    assert engine.nodes.claim(100, "0", 1) is None
+    sent, reply = _train_reply(1, arrays, False, {}, node_id=100)
+    engine.read(RoundPlan(2, {100: "0"}, {}, None), Exchange([sent], [(100, reply)]))
+    (dropped,) = engine.ledger.record(2).dropped
+    assert dropped["client"] == "0" and "shape" in dropped["reason"]
+    assert engine.nodes.node_to_client == {100: "0"}
+
+
+def test_a_node_that_did_not_reply_no_longer_holds_its_id_against_a_new_node():
+    """Node 100 holds client 0 and misses round 2; in round 3 node 200 speaks for client 0
+    (the client came back on another node): it is heard. Had 100 answered, it would not be."""
+    for answered in (False, True):
+        engine, arrays = _engine()
+        assert engine.nodes.claim(100, "0", 1) is None
+        sent, reply = _train_reply(0, arrays, True, {}, node_id=100)
+        engine.read(RoundPlan(2, {100: "0"}, {}, None),
+                    Exchange([sent], [(100, reply)] if answered else []))
+        sent, reply = _train_reply(0, arrays, True, {}, node_id=200)
+        read = engine.read(RoundPlan(3, {200: None}, {}, None), Exchange([sent], [(200, reply)]))
+        assert [r.client_id for r in read.updates] == ([] if answered else ["0"])
+        assert engine.nodes.client_of(200) == (None if answered else "0")
 
 
 def _dropped(*drops: tuple[int, str, str]) -> RoundRecord:

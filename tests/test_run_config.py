@@ -12,6 +12,8 @@ from common.config import ConfigError
 from common.protocol import error_reason, shared_failure
 from launch.app_project import app_defaults
 from launch.run_config import check_run_config, parse_overrides
+from strategies.engine.exchange import Exchange
+from strategies.engine.replies import RunFailedError, stop_if_every_reply_failed
 from tests.conftest import ROOT
 
 DEFAULTS = app_defaults(ROOT)
@@ -74,3 +76,16 @@ def test_a_failure_every_client_shares_is_named_and_anything_else_is_not(server_
     assert shared_failure([_error(disk), _error("lost", ErrorCode.NODE_UNAVAILABLE)]) is None
     assert shared_failure([]) is None
     assert error_reason(ValueError("a\n  b")) == "ValueError: a b"    # one line
+
+
+def test_a_run_stops_once_min_nodes_replies_failed_alike_and_not_before(server_task):
+    disk = "OSError: the disk is full"
+
+    def failed(count: int) -> Exchange:
+        return Exchange([], [(node, _error(disk)) for node in range(count)])
+
+    stop_if_every_reply_failed("training of round 3", 3, failed(1), min_nodes=2)  # one site
+    with pytest.raises(RunFailedError, match=r"^training of round 3: all 2 clients that "
+                                             r"replied failed: OSError: the disk is full$") as e:
+        stop_if_every_reply_failed("training of round 3", 3, failed(2), min_nodes=2)
+    assert e.value.through_round == 3

@@ -32,11 +32,12 @@ from common.protocol import (
     METRICS,
     NUM_EXAMPLES,
     SERVER_ROUND,
+    ReplyError,
 )
 from server_app.rounds import check_resumable
 from strategies.engine import RoundEngine, RoundPlan
 from strategies.engine.exchange import Exchange
-from strategies.engine.replies import valid_replies
+from strategies.engine.replies import reason_of, valid_replies
 from strategies.registry import REGISTRY, initial_state, load_settings
 from tests.conftest import app_config, make_client
 
@@ -100,6 +101,7 @@ TRAIN_CASES = {
     "list cpu-seconds": (lambda c: c[METRICS].__setitem__("cpu-seconds", [1.0]),
                          "must be a number"),
     "nan train-loss": (lambda c: c[METRICS].__setitem__("train-loss", math.nan), "not finite"),
+    "no train-loss": (lambda c: c[METRICS].pop("train-loss"), "lack ['train-loss']"),
     "1e12 examples": (lambda c: c[METRICS].__setitem__(NUM_EXAMPLES, 10**12), "exceeds"),
     "superscript id": (lambda c: c[CLIENT].__setitem__("client-id", "\u00b2"), "safe id"),
     "path id": (lambda c: c[CLIENT].__setitem__("client-id", "../../etc/passwd"), "safe id"),
@@ -135,6 +137,13 @@ def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
     assert "\n" not in dropped[0]["reason"] and "\n" not in dropped[0]["client"]
     # the checked arrays are the decoded values, ready for aggregation
     strategy.rule.merge_updates(1, valid, initial)
+
+
+def test_a_dropped_reply_is_told_in_its_checks_own_words_or_by_the_errors_type():
+    assert reason_of(ReplyError("metrics lack ['loss']")) == "metrics lack ['loss']"
+    assert reason_of(KeyError("w")) == 'KeyError: "\'w\'"'
+    cut = reason_of(ValueError("x" * 1000))
+    assert cut.startswith("ValueError: 'xxx") and cut.endswith("...") and len(cut) < 250
 
 
 @pytest.mark.parametrize(("metric", "value"), [("accuracy", [0.5, 0.5]), ("loss", [1.0]),
@@ -201,6 +210,19 @@ def test_example_counts_are_pinned_at_the_first_report():
         valid = strategy.replies.valid(server_round, "evaluate",
                                          Exchange([message], [(100, reply)]), EVALUATE_METRICS)
         assert valid[0].num_examples == 50
+
+
+def test_a_reply_claiming_more_than_max_num_examples_is_dropped():
+    strategy, _ = _strategy(**{"aggregation.max-num-examples": 1000})
+    message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
+                      dst_node_id=100, message_type=MessageType.EVALUATE)
+    reply = Message(RecordDict({METRICS: MetricRecord({NUM_EXAMPLES: 1001, "accuracy": 0.5,
+                                                       "loss": 1.0}),
+                                CLIENT: make_client(0, app_config()).identity()}),
+                    reply_to=message)
+    assert strategy.replies.valid(1, "evaluate", Exchange([message], [(100, reply)]),
+                                  EVALUATE_METRICS) == []
+    assert "aggregation.max-num-examples=1000" in strategy.ledger.record(1).dropped[0]["reason"]
 
 
 # ---------------------------------------------------------------------- durable state

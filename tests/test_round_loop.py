@@ -1,0 +1,139 @@
+"""The loop that runs the rounds (``server_app/rounds.py: run_rounds``): each round trains
+from the arrays the last round produced, a round's record reaches results.json once its
+evaluation is in, a DP run whose budget is spent stops before the round that would pass it
+(and evaluates the last round it ran), and the loop asks for an evaluation only when one
+is pending."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+
+from common.record import RoundRecord
+from server_app.results import ResultsRecorder
+from server_app.rounds import run_rounds
+from server_app.tracking import Tracking
+from strategies.engine import (
+    BudgetSpentError,
+    RoundEngine,
+    RoundOutcome,
+    RoundPlan,
+    RunFailedError,
+)
+from strategies.registry import REGISTRY, initial_state, load_settings
+from tests.conftest import app_config
+
+
+def _arrays(value: float) -> ArrayRecord:
+    return ArrayRecord({"w": Array(np.array([value], np.float32))})
+
+
+def _value(arrays: ArrayRecord) -> float:
+    return float(arrays["w"].numpy()[0])
+
+
+class _ScriptedEngine:
+    """What the loop asks of ``RoundEngine``, scripted so that what the loop does shows:
+    round ``r``'s training returns arrays holding ``r`` (none in the rounds of
+    ``no_update``: no valid reply); under fused evaluation the next round's exchange (or the
+    loop's last evaluate exchange) completes its record; planning a round past
+    ``budget_rounds`` raises ``BudgetSpentError``, as a DP run's ``dp.target-epsilon`` does.
+    ``trained`` and ``evaluated``: (round, the value of the arrays it was given)."""
+
+    def __init__(self, fused: bool, budget_rounds: int = 100,
+                 no_update: tuple[int, ...] = ()) -> None:
+        self.settings = load_settings(app_config(**{"fused-evaluation": fused}))
+        self.budget_rounds, self.no_update = budget_rounds, no_update
+        self.pending: int | None = None  # the round whose evaluation is still to be asked
+        self.trained: list[tuple[int, float]] = []
+        self.evaluated: list[tuple[int, float]] = []
+
+    def plan_round(self, grid: None, server_round: int, arrays: ArrayRecord) -> RoundPlan:
+        if server_round > self.budget_rounds:
+            raise BudgetSpentError(f"round {server_round} would pass dp.target-epsilon")
+        evaluated, self.pending = self.pending, None
+        return RoundPlan(server_round, {}, {}, evaluated)
+
+    def train_round(self, grid: None, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
+        self.trained.append((plan.round, _value(arrays)))
+        if self.settings.fused_evaluation:
+            self.pending = plan.round
+        return RoundOutcome(None if plan.round in self.no_update else _arrays(plan.round),
+                            plan.evaluated)
+
+    def evaluate_round(self, grid: None, server_round: int, arrays: ArrayRecord) -> int:
+        self.pending = None
+        self.evaluated.append((server_round, _value(arrays)))
+        return server_round
+
+    def evaluation_pending(self) -> bool:
+        return self.pending is not None
+
+    def round_record(self, server_round: int) -> RoundRecord:
+        return RoundRecord()
+
+    def server_state(self) -> dict:
+        return {}
+
+    def snapshot(self, server_round: int) -> dict:
+        return {}
+
+
+def _recorder(engine, tmp_path) -> ResultsRecorder:
+    return ResultsRecorder(engine.settings, engine, tmp_path, Tracking([], tmp_path, {}))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_each_round_trains_from_the_arrays_the_last_round_produced(tmp_path, fused):
+    """Round 3 has no valid reply: round 4 trains from round 2's arrays."""
+    engine = _ScriptedEngine(fused, no_update=(3,))
+    recorder = _recorder(engine, tmp_path)
+    arrays, stopped = run_rounds(None, engine, recorder, _arrays(0), 1, 4, ["1"])
+    assert engine.trained == [(1, 0), (2, 1), (3, 2), (4, 2)]
+    assert (_value(arrays), stopped) == (4, "")
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 4]
+    # fused: only the last round's evaluation is an exchange of its own
+    assert engine.evaluated == ([(4, 4)] if fused else [(1, 1), (2, 2), (3, 2), (4, 4)])
+
+
+def test_a_spent_budget_stops_the_run_before_that_round_and_evaluates_the_last_it_ran(
+        tmp_path):
+    engine = _ScriptedEngine(fused=True, budget_rounds=2)
+    recorder = _recorder(engine, tmp_path)
+    arrays, stopped = run_rounds(None, engine, recorder, _arrays(0), 1, 5, ["1"])
+    assert stopped == "round 3 would pass dp.target-epsilon" and _value(arrays) == 2
+    assert [r for r, _ in engine.trained] == [1, 2] and engine.evaluated == [(2, 2)]
+    assert [r["round"] for r in recorder.rounds] == [1, 2]
+
+
+@pytest.mark.parametrize("first_round", [1, 4])
+def test_a_budget_spent_before_the_first_round_to_run_fails_the_run(tmp_path, first_round):
+    """A fresh run, or one resumed at round 4, that may not run a single round fails: its
+    results show the rounds before it."""
+    engine = _ScriptedEngine(fused=True, budget_rounds=first_round - 1)
+    with pytest.raises(RunFailedError, match=rf"^round {first_round} would pass ") as error:
+        run_rounds(None, engine, _recorder(engine, tmp_path), _arrays(0), first_round, 5,
+                   ["1"])
+    assert error.value.through_round == first_round - 1 and engine.trained == []
+
+
+def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp_path):
+    """Its last checkpoint holds no pending evaluation: the loop has nothing to run, and no
+    evaluate exchange is sent (this one has no Grid: sending would fail), so results.json
+    gets no second entry for the last round. The engine is the real one."""
+    settings = load_settings(app_config(method="fedavg"))
+    arrays, wire = initial_state(settings)
+    engine = RoundEngine(settings, wire, REGISTRY["fedavg"].rule)
+    assert engine.evaluation_pending() is False  # nothing drawn before round 1
+    recorder = _recorder(engine, tmp_path)
+    recorder.rounds = [RoundRecord().entry(r, 1.0) for r in (1, 2, 3)]
+    assert run_rounds(None, engine, recorder, arrays, 4, 3, ["1"]) == (arrays, "")
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
+    # a checkpoint taken after round 3's training, before its evaluation: it is asked now
+    # (drawn here with nobody in it, fraction-evaluate = 0, so no Grid is needed)
+    engine.evaluation.draw({})
+    assert engine.evaluation_pending() is True
+    run_rounds(None, engine, recorder, arrays, 4, 3, ["1"])
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 3]
+    assert engine.evaluation_pending() is False
