@@ -27,6 +27,10 @@ AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N"
 TRACKERS = ("tensorboard", "mlflow")  # server_app/tracking.py
 DP_MODES = ("", "central", "local")  # docs/privacy.md
+# Rounds at the end of a run that are evaluated at any ``evaluate-every``: a comparison's
+# figures are read from them (comparison/stats.py: the mean of the last 5, the slope over
+# the last 10), so they are the same whatever the cadence.
+EVALUATED_LAST_ROUNDS = 10
 
 
 class ConfigError(ValueError):
@@ -192,6 +196,7 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     fraction_train: float = key("fraction-train", low=0, high=1, low_open=True)
     fraction_evaluate: float = key("fraction-evaluate", low=0, high=1)
     fused_evaluation: bool = key("fused-evaluation")
+    evaluate_every: int = key("evaluate-every", low=1)
     min_nodes: int = key("min-nodes", low=1)
     local_epochs: int = key("local-epochs", low=0)
     batch_size: int = key("batch-size", low=1)

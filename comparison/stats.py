@@ -30,13 +30,16 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from common.config import EVALUATED_LAST_ROUNDS
+
 LAST_ROUNDS = 5
-SLOPE_ROUNDS = 10
+SLOPE_ROUNDS = EVALUATED_LAST_ROUNDS  # rounds that every run evaluates, at any evaluate-every
 RISING = 0.002  # accuracy per round over the last SLOPE_ROUNDS: the curve has not flattened
 MB = 1024**2
 # keys that do not change a run's numbers: a stored run that differs only in these is reused
+# (evaluate-every thins the curve, never a figure: those read the rounds it always evaluates)
 NOT_IN_RESULTS = frozenset({"output-dir", "resume-from", "plot", "tracking", "device",
-                            "data-cache", "round-timeout", "max-in-flight"})
+                            "data-cache", "round-timeout", "max-in-flight", "evaluate-every"})
 PROJECT_CACHE = "/.cache/pflower/"  # under a home folder: the project's data cache
 
 

@@ -97,7 +97,8 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
     ("" if it did not: a DP run stops before a round that would spend more than
     ``dp.target-epsilon``). A round's record goes to results.json once the engine says it
     is complete: after its evaluate exchange, or (fused evaluation) after the next round's
-    exchange, which carried its evaluation."""
+    exchange, which carried its evaluation; a round ``evaluate-every`` does not evaluate,
+    once it trained."""
     fused = engine.settings.fused_evaluation
     recorder.start()  # starts the round clock, writes results.json
     stopped = ""
@@ -119,9 +120,9 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
         if outcome.arrays is not None:
             arrays = outcome.arrays
         completed = (outcome.completed if fused
-                     else engine.evaluate_round(grid, server_round, arrays))
-        if completed is not None:
-            recorder.on_round(completed)
+                     else (engine.evaluate_round(grid, server_round, arrays),))
+        for done in completed:
+            recorder.on_round(done)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, engine,
                         recorder, run_ids)
     if fused and engine.evaluation_pending():  # the last round's evaluation: its own exchange

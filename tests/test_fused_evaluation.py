@@ -26,3 +26,27 @@ def test_fused_evaluation_equals_two_exchanges(shared_runs, method):
     # evaluate downlink; the last one is an exchange of its own
     assert [r["bytes_down_evaluate"] for r in one[:-1]] == [0] * (rounds - 1)
     assert one[-1]["bytes_down_evaluate"] == two[-1]["bytes_down_evaluate"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fused", [True, False])
+def test_evaluating_every_third_round_leaves_training_and_the_evaluated_rounds_as_they_were(
+        shared_runs, fused):
+    """``evaluate-every = 3`` over 12 rounds: rounds 1 and 2 are not evaluated (3 to 12 are:
+    every third, and each of the last 10); one client of three trains a round, so the
+    trainers are drawn after each evaluation draw, which is made in every round all the
+    same. Every round trains as in the run that evaluates all, and every evaluated round
+    scores as there."""
+    base = {"num-server-rounds": 12, "fraction-train": 0.5, "fused-evaluation": fused}
+    every = shared_runs.reference("fedavg", **base)[1]
+    sparse = shared_runs.reference("fedavg", **base, **{"evaluate-every": 3})[1]
+    assert [r["round"] for r in sparse["rounds"]] == list(range(1, 13))
+    assert [r["round"] for r in sparse["rounds"] if "eval" in r] == list(range(3, 13))
+    for full, thin in zip(every["rounds"], sparse["rounds"], strict=True):
+        assert thin["train"] == full["train"] and thin["bytes_up"] == full["bytes_up"]
+        if "eval" in thin:
+            assert thin["eval"]["per_client"] == full["eval"]["per_client"]
+    # no evaluate message went out for rounds 1 and 2
+    assert [r["bytes_down_evaluate"] for r in sparse["rounds"][:2]] == [0, 0]
+    assert all(r["bytes_down_evaluate"] > 0 for r in every["rounds"][:2])
+    assert sparse["final"]["accuracy_weighted"] == every["final"]["accuracy_weighted"]

@@ -13,7 +13,7 @@ import pytest
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import write_report
+from bench.evidence.report import common_rounds, thinned, write_report
 from bench.evidence.stats import row_stats
 from tests.conftest import ROOT
 
@@ -278,6 +278,17 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     assert row["mean"] == pytest.approx(statistics.mean(fedavg))
     assert (tmp_path / "matrix" / "accuracy-dirichlet-0.1.png").stat().st_size > 0
     assert (tmp_path / "matrix" / "accuracy-vs-uplink.png").stat().st_size > 0
+
+
+def test_a_rows_curve_is_drawn_on_the_rounds_all_its_cells_evaluated():
+    """A row whose seeds ran at different ``evaluate-every`` (1 and 10, over 35 rounds): its
+    curve is on the rounds both evaluated; summary.json names the rounds of a thinned curve."""
+    evaluated = [10, 20, *range(26, 36)]
+    every = {"rounds": list(range(1, 36)), "accuracy_per_round": [r / 100 for r in range(1, 36)]}
+    thin = {"rounds": evaluated, "accuracy_per_round": [r / 1000 for r in evaluated]}
+    assert common_rounds([every, thin]) == (evaluated, [[r / 100 for r in evaluated],
+                                                        [r / 1000 for r in evaluated]])
+    assert thinned(every) == {} and thinned(thin) == {"rounds": evaluated}
 
 
 @pytest.mark.integration

@@ -38,13 +38,15 @@ class _ScriptedEngine:
     round ``r``'s training returns arrays holding ``r`` (none in the rounds of
     ``no_update``: no valid reply); under fused evaluation the next round's exchange (or the
     loop's last evaluate exchange) completes its record; planning a round past
-    ``budget_rounds`` raises ``BudgetSpentError``, as a DP run's ``dp.target-epsilon`` does.
+    ``budget_rounds`` raises ``BudgetSpentError``, as a DP run's ``dp.target-epsilon`` does;
+    the rounds of ``not_evaluated`` are complete once trained (``evaluate-every``).
     ``trained`` and ``evaluated``: (round, the value of the arrays it was given)."""
 
     def __init__(self, fused: bool, budget_rounds: int = 100,
-                 no_update: tuple[int, ...] = ()) -> None:
+                 no_update: tuple[int, ...] = (), not_evaluated: tuple[int, ...] = ()) -> None:
         self.settings = load_settings(app_config(**{"fused-evaluation": fused}))
         self.budget_rounds, self.no_update = budget_rounds, no_update
+        self.not_evaluated = not_evaluated
         self.pending: int | None = None  # the round whose evaluation is still to be asked
         self.trained: list[tuple[int, float]] = []
         self.evaluated: list[tuple[int, float]] = []
@@ -57,14 +59,18 @@ class _ScriptedEngine:
 
     def train_round(self, grid: None, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
         self.trained.append((plan.round, _value(arrays)))
-        if self.settings.fused_evaluation:
+        completed = () if plan.evaluated is None else (plan.evaluated,)
+        if self.settings.fused_evaluation and plan.round in self.not_evaluated:
+            completed += (plan.round,)
+        elif self.settings.fused_evaluation:
             self.pending = plan.round
         return RoundOutcome(None if plan.round in self.no_update else _arrays(plan.round),
-                            plan.evaluated)
+                            completed)
 
     def evaluate_round(self, grid: None, server_round: int, arrays: ArrayRecord) -> int:
         self.pending = None
-        self.evaluated.append((server_round, _value(arrays)))
+        if server_round not in self.not_evaluated:
+            self.evaluated.append((server_round, _value(arrays)))
         return server_round
 
     def evaluation_pending(self) -> bool:
@@ -116,6 +122,26 @@ def test_a_budget_spent_before_the_first_round_to_run_fails_the_run(tmp_path, fi
         run_rounds(None, engine, _recorder(engine, tmp_path), _arrays(0), first_round, 5,
                    ["1"])
     assert error.value.through_round == first_round - 1 and engine.trained == []
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_round_that_is_not_evaluated_is_written_once_it_trained(tmp_path, fused):
+    engine = _ScriptedEngine(fused, not_evaluated=(1, 2, 4))
+    recorder = _recorder(engine, tmp_path)
+    run_rounds(None, engine, recorder, _arrays(0), 1, 6, ["1"])
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 4, 5, 6]
+    assert [r for r, _ in engine.evaluated] == ([6] if fused else [3, 5, 6])
+
+
+@pytest.mark.parametrize(("every", "rounds", "evaluated"), [
+    (1, 12, list(range(1, 13))), (3, 12, list(range(3, 13))),
+    (10, 35, [10, 20, *range(26, 36)]), (100, 8, list(range(1, 9)))])
+def test_evaluate_every_asks_every_kth_round_and_each_of_the_last_ten(every, rounds,
+                                                                      evaluated):
+    settings = load_settings(app_config(**{"evaluate-every": every,
+                                           "num-server-rounds": rounds}))
+    engine = RoundEngine(settings, initial_state(settings)[1], REGISTRY["fedavg"].rule)
+    assert [r for r in range(1, rounds + 1) if engine.evaluation.evaluates(r)] == evaluated
 
 
 def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp_path):

@@ -76,6 +76,7 @@ def test_a_run_is_stored_once_and_reused_while_its_numbers_are_todays(tmp_path):
     ({"defaults": {"fedfac.layers": "0"}}, True),   # another method's default
     ({"run": {"fedfac.layers": "0"}}, True),        # another method's key set in the run
     ({"run": {"lr": 0.3}}, False),                  # a setting of the run
+    ({"run": {"evaluate-every": 10}}, True),        # a thinner curve, the same figures
     ({"context": {"num_clients": 4}}, False),       # another data split
 ])
 def test_the_one_staleness_rule(tmp_path, change, current):

@@ -89,6 +89,7 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                 "searched_on": SCENARIOS[scenario].searched_on or scenario,
                 "per_seed": {str(c["seed"]): {"last5": r["per_seed"][c["seed"]]["accuracy"],
                                               "curve": c["accuracy_per_round"],
+                                              **thinned(c),
                                               **({"task_last5": last_rounds_mean(
                                                   c["accuracy_task_per_round"])}
                                                  if "accuracy_task_per_round" in c else {})}
@@ -139,15 +140,29 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def thinned(cell: dict[str, Any]) -> dict[str, list[int]]:
+    """``{"rounds": ...}``, the rounds a cell's curve is of, where that is not every round
+    (``evaluate-every``); else nothing."""
+    rounds = cell["rounds"]
+    return {} if rounds == list(range(1, len(rounds) + 1)) else {"rounds": rounds}
+
+
+def common_rounds(cells: list[dict[str, Any]]) -> tuple[list[int], list[list[float]]]:
+    """The rounds every one of a row's cells evaluated (cells run at different
+    ``evaluate-every`` share every k-th round and the last ten), and each cell's accuracy at
+    them."""
+    rounds = sorted(set.intersection(*(set(c["rounds"]) for c in cells)))
+    return rounds, [[dict(zip(c["rounds"], c["accuracy_per_round"], strict=True))[r]
+                     for r in rounds] for c in cells]
+
+
 def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
     """Accuracy per round (mean, band = min..max over seeds), one figure per scenario, and
     accuracy (last 5 rounds) against total uplink MB; returns the files written."""
     written = []
     for scenario, rows in stats.items():
         fig, (ax,) = figure(7, 4.5)
-        draw_curves(ax, {label: (row["cells"][0]["rounds"],
-                                 [c["accuracy_per_round"] for c in row["cells"]])
-                         for label, row in rows.items()})
+        draw_curves(ax, {label: common_rounds(row["cells"]) for label, row in rows.items()})
         ax.set(title=f"{scenario}: personalized accuracy (weighted)", ylabel="accuracy")
         ax.legend(fontsize=7, ncol=2)
         save(fig, out / "matrix" / f"accuracy-{scenario}.png")
@@ -219,7 +234,9 @@ def write_report(matrix: Matrix, command: str) -> str:
         f"over seeds above {100 * protocol.CONVERGED_SLOPE:+.2f} points a round: a margin per "
         "10 rounds; such a row runs its report seeds again with twice the rounds, at most "
         f"{protocol.MAX_DOUBLINGS} times); "
-        "uplink and seconds per run. A claim is judged on the per-seed paired difference "
+        "uplink and seconds per run (a cross-device cell run at `evaluate-every = 10` leaves "
+        "most evaluations out of its seconds, and its curve has every 10th round and the "
+        "last 10: `bench/README.md`). A claim is judged on the per-seed paired difference "
         "against its reference: held when its 95% interval lies at or above the margin; "
         "beside it, whether the interval lies above 0 (better at all) and the paper's own "
         "difference. Machine-readable: [`matrix/summary.json`](matrix/summary.json).\n\n",

@@ -12,6 +12,12 @@ Two protocols give the same numbers (a test checks it):
   two. ``E_r`` is drawn at the same point of the run as in the other protocol, so sampling is
   the same too.
 
+With ``evaluate-every = k`` only every k-th round and the last ``EVALUATED_LAST_ROUNDS`` are
+evaluated; ``E_r`` of the others is drawn and not asked, and their records are complete once
+they trained. Evaluation changes nothing a client trains (it evaluates a copy, or before its
+training is seeded), so the evaluated rounds' numbers are those of a run that evaluates every
+round.
+
 ``PendingEvaluation`` owns round ``r``'s evaluation from the draw to the record: ``draw``
 (at the end of round ``r``), ``take`` (round ``r + 1``'s plan carries it,
 ``round_plan.RoundPlan``, or the evaluate exchange sends it), ``record_replies`` (the
@@ -30,7 +36,7 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from common.config import RunSettings
+from common.config import EVALUATED_LAST_ROUNDS, RunSettings
 from common.protocol import EVAL_CPU, TASK_ACCURACY, ClientReply, client_order
 from common.record import RoundRecord, personalized_stats
 from strategies.engine.accounting import RoundLedger
@@ -69,7 +75,16 @@ class PendingEvaluation:
         return (1.0 if last and self.settings.fraction_evaluate > 0
                 else self.settings.fraction_evaluate)
 
-    def draw(self, clients: Drawn) -> None:
+    def evaluates(self, server_round: int) -> bool:
+        """Whether round ``server_round`` is evaluated: every ``evaluate-every``-th round,
+        and each of the last ``EVALUATED_LAST_ROUNDS`` (those a comparison's figures read).
+        A round that is not is sampled for evaluation all the same (``RoundEngine``): the
+        run's draws, and so its trainers, are those of a run that evaluates every round."""
+        return (server_round % self.settings.evaluate_every == 0
+                or server_round > self.settings.num_server_rounds - EVALUATED_LAST_ROUNDS)
+
+    def draw(self, clients: Drawn | None) -> None:
+        """The clients that evaluate the round just trained (None: it is not evaluated)."""
         self.drawn = clients
 
     def take(self) -> Drawn | None:

@@ -23,7 +23,8 @@ loop, with checkpoints, is ``server_app/rounds.py``):
    ``PrivacyLedger.merge``) and record the round (``RoundLedger``: bytes, CPU, drops, loss;
    ``PrivacyLedger.account``: the privacy spent); stop the run if training diverged
    everywhere (``DivergenceWatch``);
-7. **draw** the clients that evaluate this round (fused evaluation: asked next round).
+7. **draw** the clients that evaluate this round (fused evaluation: asked next round; a round
+   that ``evaluate-every`` skips is drawn for and not asked).
 
 The engine builds its collaborators and passes them to each other; the rule sees the run
 through a ``RuleContext``. What the ServerApp uses is the public face below the stages: the
@@ -163,12 +164,17 @@ class RoundEngine(Generic[MethodSettingsT]):
                 self.ledger.report(server_round, "privacy", spent)
             self.divergence.after_round(server_round, self.ledger.record(server_round),
                                         len(replies.updates))
+        completed = () if plan.evaluated is None else (plan.evaluated,)
         if self.settings.fused_evaluation:
             with self.ledger.server_cpu(server_round):
-                self.evaluation.draw(self.admit_and_sample(
+                drawn = self.admit_and_sample(
                     grid, server_round, arrays if updated is None else updated,
-                    self.evaluation.fraction(server_round), MessageType.EVALUATE))
-        return RoundOutcome(updated, plan.evaluated)
+                    self.evaluation.fraction(server_round), MessageType.EVALUATE)
+            if self.evaluation.evaluates(server_round):
+                self.evaluation.draw(drawn)
+            else:  # drawn all the same (evaluation.PendingEvaluation.evaluates)
+                completed += (server_round,)
+        return RoundOutcome(updated, completed)
 
     def evaluate_round(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> int:
         """The evaluate exchange of round ``server_round`` (the two-exchange protocol, and
@@ -180,6 +186,8 @@ class RoundEngine(Generic[MethodSettingsT]):
                 clients = self.admit_and_sample(grid, server_round, arrays,
                                                 self.evaluation.fraction(server_round),
                                                 MessageType.EVALUATE)
+            if not self.evaluation.evaluates(server_round):
+                return server_round  # drawn all the same (PendingEvaluation.evaluates)
             messages = self.messenger.address(server_round, clients, arrays,
                                               MessageType.EVALUATE, server_round)
         batch = self.messenger.send(grid, messages)

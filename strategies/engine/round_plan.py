@@ -97,9 +97,10 @@ class RoundOutcome:
 
     arrays: ArrayRecord | None
     """The new shared arrays (None: no valid reply, the shared model stays as it was)."""
-    completed: int | None
-    """The round whose record the exchange completed (its evaluation came with it; None:
-    none did): results.json can show it."""
+    completed: tuple[int, ...]
+    """The rounds whose records the exchange completed, in order: the round whose
+    evaluation came with it, then (fused evaluation) this round when it is not evaluated
+    (``evaluate-every``): results.json can show them."""
 
 
 def fused_evaluation(reply: ClientReply) -> ClientReply:
