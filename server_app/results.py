@@ -71,6 +71,10 @@ class ResultsRecorder:
         record = self.engine.round_record(server_round)
         entry = record.entry(server_round, now - self._t_round)
         self._t_round = now
+        if self.rounds and self.rounds[-1]["round"] == server_round:
+            # written before its evaluation (evaluate-every skipped it, then the run stopped
+            # after it): the entry now has it, and the time of both
+            entry["seconds"] += self.rounds.pop()["seconds"]
         self.rounds.append(entry)
         self.write()
         self.tracking.log_round(entry)

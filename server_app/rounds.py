@@ -31,12 +31,12 @@ from common.durable import load_tree, save_tree
 from server_app.results import CHECKPOINT, ResultsRecorder
 from strategies.engine import BudgetSpentError, RoundEngine, RunFailedError
 
-# Keys a resumed run may change: how long it runs, where it writes, how long it waits, and
-# the server's trust settings (an operator may tighten them). Any other difference (method,
-# model, dataset, partitioning, seed, training) is refused.
+# Keys a resumed run may change: how long it runs, where it writes, how long it waits, which
+# rounds it evaluates, and the server's trust settings (an operator may tighten them). Any
+# other difference (method, model, dataset, partitioning, seed, training) is refused.
 RESUMABLE_KEYS = frozenset({
     "num-server-rounds", "output-dir", "resume-from", "round-timeout", "min-nodes", "plot",
-    "tracking",
+    "tracking", "evaluate-every",
     "device", "data-cache", "max-in-flight", "identity.node-owners",
     "identity.require-registered",
     "identity.max-clients", "identity.expire-rounds", "aggregation.rule",
@@ -125,10 +125,11 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
             recorder.on_round(done)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, engine,
                         recorder, run_ids)
-    if fused and engine.evaluation_pending():  # the last round's evaluation: its own exchange
-        # (none is pending when a finished run is resumed with no round left to run)
+    if engine.evaluation_pending():  # the last round's evaluation: its own exchange (fused
+        # evaluation, or a round evaluate-every skipped and then a DP budget stop; none is
+        # pending when a finished run is resumed with no round left to run)
         log(INFO, "[round %d/%d] evaluating", last_round, last_round)
-        recorder.on_round(engine.evaluate_round(grid, last_round, arrays))
+        recorder.on_round(engine.evaluate_round(grid, last_round, arrays, last=True))
         save_checkpoint(recorder.out_dir / CHECKPOINT, last_round, arrays, engine,
                         recorder, run_ids)
     return arrays, stopped

@@ -30,23 +30,22 @@ def test_fused_evaluation_equals_two_exchanges(shared_runs, method):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("fused", [True, False])
-def test_evaluating_every_third_round_leaves_training_and_the_evaluated_rounds_as_they_were(
+def test_evaluating_every_other_round_leaves_training_and_the_evaluated_rounds_as_they_were(
         shared_runs, fused):
-    """``evaluate-every = 3`` over 12 rounds: rounds 1 and 2 are not evaluated (3 to 12 are:
-    every third, and each of the last 10); one client of three trains a round, so the
-    trainers are drawn after each evaluation draw, which is made in every round all the
-    same. Every round trains as in the run that evaluates all, and every evaluated round
-    scores as there."""
-    base = {"num-server-rounds": 12, "fraction-train": 0.5, "fused-evaluation": fused}
+    """``evaluate-every = 2`` over 16 rounds: rounds 1, 3 and 5 are not evaluated (2, 4, 6
+    and each of the last 10 are); one client of three trains a round, so the trainers are
+    drawn after each evaluation draw, which is made in every round all the same. Every round
+    trains as in the run that evaluates all, and every evaluated round scores as there."""
+    base = {"num-server-rounds": 16, "fraction-train": 0.5, "fused-evaluation": fused}
     every = shared_runs.reference("fedavg", **base)[1]
-    sparse = shared_runs.reference("fedavg", **base, **{"evaluate-every": 3})[1]
-    assert [r["round"] for r in sparse["rounds"]] == list(range(1, 13))
-    assert [r["round"] for r in sparse["rounds"] if "eval" in r] == list(range(3, 13))
+    sparse = shared_runs.reference("fedavg", **base, **{"evaluate-every": 2})[1]
+    assert [r["round"] for r in sparse["rounds"]] == list(range(1, 17))
+    assert [r["round"] for r in sparse["rounds"] if "eval" in r] == [2, 4, *range(6, 17)]
     for full, thin in zip(every["rounds"], sparse["rounds"], strict=True):
         assert thin["train"] == full["train"] and thin["bytes_up"] == full["bytes_up"]
         if "eval" in thin:
             assert thin["eval"]["per_client"] == full["eval"]["per_client"]
-    # no evaluate message went out for rounds 1 and 2
-    assert [r["bytes_down_evaluate"] for r in sparse["rounds"][:2]] == [0, 0]
-    assert all(r["bytes_down_evaluate"] > 0 for r in every["rounds"][:2])
+    # no evaluate message went out for rounds 1, 3 and 5
+    assert [sparse["rounds"][r - 1]["bytes_down_evaluate"] for r in (1, 3, 5)] == [0, 0, 0]
+    assert all(every["rounds"][r - 1]["bytes_down_evaluate"] > 0 for r in (1, 3, 5))
     assert sparse["final"]["accuracy_weighted"] == every["final"]["accuracy_weighted"]

@@ -69,6 +69,27 @@ def test_a_central_dp_run_reports_its_budget_and_stops_before_passing_its_target
         [s["epsilon"] for s in spent], rel=1e-6)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_budget_stop_after_a_round_evaluate_every_skips_evaluates_that_round(
+        private_runs, fused):
+    """20 rounds at ``evaluate-every = 5`` would evaluate rounds 5 and 10-20; the target stops
+    the run after round 3, which is then evaluated (by the clients drawn for it) so that the
+    run ends with an accuracy, in one entry for round 3."""
+    delta = 1 / REFERENCE_CLIENTS ** 1.1
+    run, out = private_runs.get({
+        **REFERENCE, "method": "fedavg", "dp.mode": "central", "dp.noise-multiplier": NOISE,
+        "dp.target-epsilon": (central_epsilon(3, delta) + central_epsilon(4, delta)) / 2,
+        "num-server-rounds": 20, "evaluate-every": 5, "fused-evaluation": fused})
+    assert run.ok, run.output[-3000:]
+    results = read_results(out)
+    assert results["status"] == "completed" and "[round 4/20] not run" in run.output
+    assert [(r["round"], "eval" in r) for r in results["rounds"]] == [
+        (1, False), (2, False), (3, True)]
+    assert results["rounds"][-1]["eval"]["num_clients"] == REFERENCE_CLIENTS
+    assert results["final"]["accuracy_weighted"] == results["rounds"][-1]["eval"][
+        "accuracy_weighted"]
+
+
 @pytest.mark.parametrize("method", ["pfedc", "factorized-fl", "fedfac"])
 def test_local_dp_runs_every_method_that_sends_more_than_a_mean(private_runs, method):
     """The methods whose server reads each client's upload (branches, matching vectors,

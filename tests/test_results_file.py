@@ -66,7 +66,8 @@ class _Probe:
 
 @pytest.fixture
 def clock(monkeypatch) -> list[float]:
-    """The recorder's clock, set by the test."""
+    """The recorder's clock, set by the test (``time.monotonic`` itself, for the test's
+    length: results.py reads it through the module)."""
     now = [100.0]
     monkeypatch.setattr(results.time, "monotonic", lambda: now[0])
     return now
@@ -136,3 +137,16 @@ def test_a_tuning_run_says_it_was_scored_on_validation_splits(tmp_path, clock):
     recorder, _ = _recorder(tmp_path, **{"validation-fraction": 0.2})
     recorder.start()
     assert _written(recorder)["evaluated_on"] == "validation"
+
+
+def test_a_round_written_before_its_evaluation_keeps_one_entry(tmp_path, clock):
+    """A round ``evaluate-every`` skipped, then evaluated as the run's last (a DP budget stop
+    after it): its entry is replaced by the one with the evaluation, its times added."""
+    recorder, probe = _recorder(tmp_path)
+    recorder.start()
+    clock[0] = 102.0
+    recorder.on_round(2)
+    clock[0] = 103.5
+    recorder.on_round(2)
+    (entry,) = _written(recorder)["rounds"]
+    assert entry["round"] == 2 and entry["seconds"] == 3.5 and probe.rounds == [2, 2]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
+from common.config import ConfigError
 from common.record import RoundRecord
 from server_app.results import ResultsRecorder
 from server_app.rounds import run_rounds
@@ -67,7 +68,8 @@ class _ScriptedEngine:
         return RoundOutcome(None if plan.round in self.no_update else _arrays(plan.round),
                             completed)
 
-    def evaluate_round(self, grid: None, server_round: int, arrays: ArrayRecord) -> int:
+    def evaluate_round(self, grid: None, server_round: int, arrays: ArrayRecord,
+                       last: bool = False) -> int:
         self.pending = None
         if server_round not in self.not_evaluated:
             self.evaluated.append((server_round, _value(arrays)))
@@ -124,18 +126,19 @@ def test_a_budget_spent_before_the_first_round_to_run_fails_the_run(tmp_path, fi
     assert error.value.through_round == first_round - 1 and engine.trained == []
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_round_that_is_not_evaluated_is_written_once_it_trained(tmp_path, fused):
-    engine = _ScriptedEngine(fused, not_evaluated=(1, 2, 4))
+def test_the_rounds_an_exchange_completed_are_written_in_order(tmp_path):
+    """Fused evaluation, rounds 1, 2 and 4 not evaluated: rounds 1 and 2 are complete once
+    trained; round 4's exchange completes round 3's record (its evaluation came with it),
+    then round 4's own; each record is written once, in round order."""
+    engine = _ScriptedEngine(True, not_evaluated=(1, 2, 4))
     recorder = _recorder(engine, tmp_path)
     run_rounds(None, engine, recorder, _arrays(0), 1, 6, ["1"])
     assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 4, 5, 6]
-    assert [r for r, _ in engine.evaluated] == ([6] if fused else [3, 5, 6])
 
 
 @pytest.mark.parametrize(("every", "rounds", "evaluated"), [
     (1, 12, list(range(1, 13))), (3, 12, list(range(3, 13))),
-    (10, 35, [10, 20, *range(26, 36)]), (100, 8, list(range(1, 9)))])
+    (10, 35, [10, 20, *range(26, 36)]), (40, 8, list(range(1, 9)))])
 def test_evaluate_every_asks_every_kth_round_and_each_of_the_last_ten(every, rounds,
                                                                       evaluated):
     settings = load_settings(app_config(**{"evaluate-every": every,
@@ -144,10 +147,18 @@ def test_evaluate_every_asks_every_kth_round_and_each_of_the_last_ten(every, rou
     assert [r for r in range(1, rounds + 1) if engine.evaluation.evaluates(r)] == evaluated
 
 
+def test_an_evaluate_every_that_would_let_client_ids_expire_stops_at_start():
+    with pytest.raises(ConfigError, match=r"^evaluate-every=51 with identity.expire-rounds=50: "):
+        load_settings(app_config(**{"evaluate-every": 51}))
+    load_settings(app_config(**{"evaluate-every": 50}))  # heard from in time, just
+    load_settings(app_config(**{"evaluate-every": 51, "identity.expire-rounds": 0}))
+
+
 def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp_path):
     """Its last checkpoint holds no pending evaluation: the loop has nothing to run, and no
-    evaluate exchange is sent (this one has no Grid: sending would fail), so results.json
-    gets no second entry for the last round. The engine is the real one."""
+    evaluate exchange is sent (this one has no Grid: sending would fail). One taken while an
+    evaluation was pending has it asked, and the last round's entry then holds it (one entry
+    a round). The engine is the real one."""
     settings = load_settings(app_config(method="fedavg"))
     arrays, wire = initial_state(settings)
     engine = RoundEngine(settings, wire, REGISTRY["fedavg"].rule)
@@ -161,5 +172,21 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
     engine.evaluation.draw({})
     assert engine.evaluation_pending() is True
     run_rounds(None, engine, recorder, arrays, 4, 3, ["1"])
-    assert [r["round"] for r in recorder.rounds] == [1, 2, 3, 3]
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
+    assert recorder.rounds[-1]["seconds"] > 1.0  # its own and the evaluation's
     assert engine.evaluation_pending() is False
+
+
+def test_a_skipped_rounds_draw_is_asked_only_as_a_runs_last_evaluation():
+    settings = load_settings(app_config(**{"evaluate-every": 5, "num-server-rounds": 20}))
+    engine = RoundEngine(settings, initial_state(settings)[1], REGISTRY["fedavg"].rule)
+    evaluation = engine.evaluation
+    evaluation.rejoined_at_evaluate.add("a")  # found rejoining at round 3's admission
+    evaluation.draw({7: "a"}, asked=False)  # round 3's, which evaluate-every skips
+    assert "a" not in evaluation.rejoined_at_evaluate  # its next score is after it trained
+    assert engine.evaluation_pending() and evaluation.take() is None
+    assert not engine.evaluation_pending()  # the next round's plan asks nobody for it
+    evaluation.draw({7: "a"}, asked=False)
+    assert evaluation.take(last=True) == {7: "a"}  # the run stops after round 3
+    evaluation.draw({8: "b"})
+    assert evaluation.take() == {8: "b"}

@@ -97,7 +97,7 @@ def test_a_missing_node_is_dropped_from_each_of_its_jobs_and_every_reply_counts_
     assert engine.ledger.record(2).bytes_up == reply_0.content[ARRAYS].count_bytes()
 
 
-def test_a_trainer_that_evaluates_gets_one_message_and_only_the_others_an_evaluate_one():
+def test_a_plan_splits_its_evaluators_into_trainers_and_the_others():
     plan = RoundPlan(2, {1: "a", 2: "b"}, {2: "b", 3: "c"}, 1)
     assert plan.evaluating_trainers() == {2}  # its train message carries the evaluation
     assert plan.evaluating_only() == {3: "c"}

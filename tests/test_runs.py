@@ -14,6 +14,7 @@ import pytest
 
 from common.record import lost_to_non_finite
 from comparison.runs import RunStore
+from comparison.stats import comparable_config
 from launch.app_project import app_defaults
 from strategies.registry import REGISTRY
 
@@ -68,6 +69,12 @@ def test_a_run_is_stored_once_and_reused_while_its_numbers_are_todays(tmp_path):
     moved = config(tmp_path / "elsewhere", tracking="mlflow", device="cpu")
     assert store.get(record, moved, name="fedavg", context={"num_clients": 3}) == first
     assert runner.calls == 1
+
+
+def test_evaluate_every_counts_only_where_a_budget_stop_may_end_a_run_early():
+    assert comparable_config({"lr": 0.1, "evaluate-every": 10}) == {"lr": 0.1}
+    stopping = {"lr": 0.1, "evaluate-every": 10, "dp.target-epsilon": 3.0}
+    assert comparable_config(stopping) == stopping
 
 
 @pytest.mark.parametrize(("change", "current"), [

@@ -274,7 +274,8 @@ def test_an_unsafe_client_id_in_the_node_config_is_refused():
 def test_a_resume_with_another_run_config_is_refused_naming_the_keys():
     checkpoint = {"method": "fedavg", "config": app_config()}
     check_resumable(checkpoint, {**app_config(), "num-server-rounds": 20,
-                                 "aggregation.rule": "median", "resume-from": "x"})
+                                 "aggregation.rule": "median", "resume-from": "x",
+                                 "evaluate-every": 10})
     with pytest.raises(ConfigError) as error:
         check_resumable(checkpoint, {**app_config(), "seed": 7, "dataset": "mnist"})
     message = str(error.value)

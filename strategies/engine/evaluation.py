@@ -13,10 +13,10 @@ Two protocols give the same numbers (a test checks it):
   the same too.
 
 With ``evaluate-every = k`` only every k-th round and the last ``EVALUATED_LAST_ROUNDS`` are
-evaluated; ``E_r`` of the others is drawn and not asked, and their records are complete once
-they trained. Evaluation changes nothing a client trains (it evaluates a copy, or before its
-training is seeded), so the evaluated rounds' numbers are those of a run that evaluates every
-round.
+evaluated; ``E_r`` of the others is drawn and not asked (unless the run stops after round
+``r``: a DP budget stop), and their records are complete once they trained. Evaluation
+changes nothing a client trains (it evaluates a copy, or before its training is seeded), so
+the evaluated rounds' numbers are those of a run that evaluates every round.
 
 ``PendingEvaluation`` owns round ``r``'s evaluation from the draw to the record: ``draw``
 (at the end of round ``r``), ``take`` (round ``r + 1``'s plan carries it,
@@ -64,6 +64,7 @@ class PendingEvaluation:
         self.ledger = ledger
         self.per_client_accuracy: dict[str, float] = {}
         self.drawn: Drawn | None = None  # nodes drawn to evaluate the last round
+        self.asked = True  # whether they are asked: False where evaluate-every skips the round
         self._drawn_clients: set[str] | None = None  # the same, after a resume
         self.rejoined_at_evaluate: set[str] = set()  # their first score goes to ``rejoined``
 
@@ -83,14 +84,19 @@ class PendingEvaluation:
         return (server_round % self.settings.evaluate_every == 0
                 or server_round > self.settings.num_server_rounds - EVALUATED_LAST_ROUNDS)
 
-    def draw(self, clients: Drawn | None) -> None:
-        """The clients that evaluate the round just trained (None: it is not evaluated)."""
-        self.drawn = clients
+    def draw(self, clients: Drawn, asked: bool = True) -> None:
+        """The clients drawn to evaluate the round just trained; ``asked`` False: a round
+        ``evaluate-every`` skips, whose clients are asked only if the run ends after it
+        (``take(last=True)``: a DP budget stop)."""
+        self.drawn, self.asked = clients, asked
+        if not asked:  # a rejoin found at its admission is not evaluated before it trains
+            self.rejoined_at_evaluate.difference_update(clients.values())
 
-    def take(self) -> Drawn | None:
-        """The drawn clients, now to be asked (None: none drawn)."""
+    def take(self, last: bool = False) -> Drawn | None:
+        """The drawn clients, now to be asked (None: none drawn, or drawn for a skipped round
+        and this is not the run's ``last`` evaluation); nothing is pending after."""
         drawn, self.drawn = self.drawn, None
-        return drawn
+        return drawn if self.asked or last else None
 
     # ------------------------------------------------------------------ replies and record
     def record_replies(self, server_round: int, evaluations: list[ClientReply],
@@ -137,7 +143,7 @@ class PendingEvaluation:
         if len(clients) < len(self.drawn):
             log(WARNING, "checkpoint: %d nodes drawn for evaluation have no client id yet",
                 len(self.drawn) - len(clients))
-        return {"round": server_round, "clients": clients,
+        return {"round": server_round, "clients": clients, "asked": self.asked,
                 "record": asdict(self.ledger.record(server_round))}
 
     def restore(self, state: dict[str, Any] | None) -> None:
@@ -145,6 +151,7 @@ class PendingEvaluation:
             return
         self.ledger.history[state["round"]] = RoundRecord(**state["record"])
         self._drawn_clients = set(state["clients"])
+        self.asked = state.get("asked", True)
 
     def resolve(self, nodes: NodeDirectory) -> None:
         """After a resume: the drawn clients' current nodes (identified at the start)."""

@@ -103,9 +103,10 @@ class RoundEngine(Generic[MethodSettingsT]):
                 **self.rule.results_tables()}
 
     def evaluation_pending(self) -> bool:
-        """Whether clients were drawn to evaluate a round and not asked yet (fused
-        evaluation: the last round's, asked by a final evaluate exchange; none after a
-        finished run's last checkpoint)."""
+        """Whether clients were drawn to evaluate a round and not asked yet: the last round's
+        (fused evaluation), or a round ``evaluate-every`` skipped; asked by a final evaluate
+        exchange if the run ends there (none is pending after a finished run's last
+        checkpoint)."""
         return self.evaluation.drawn is not None
 
     def set_message_config(self, config: dict[str, Any]) -> None:
@@ -170,24 +171,27 @@ class RoundEngine(Generic[MethodSettingsT]):
                 drawn = self.admit_and_sample(
                     grid, server_round, arrays if updated is None else updated,
                     self.evaluation.fraction(server_round), MessageType.EVALUATE)
-            if self.evaluation.evaluates(server_round):
-                self.evaluation.draw(drawn)
-            else:  # drawn all the same (evaluation.PendingEvaluation.evaluates)
+            asked = self.evaluation.evaluates(server_round)  # drawn all the same
+            self.evaluation.draw(drawn, asked)
+            if not asked:
                 completed += (server_round,)
         return RoundOutcome(updated, completed)
 
-    def evaluate_round(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> int:
+    def evaluate_round(self, grid: Grid, server_round: int, arrays: ArrayRecord,
+                       last: bool = False) -> int:
         """The evaluate exchange of round ``server_round`` (the two-exchange protocol, and
-        the last round of the fused one: then with the clients drawn at its end); returns
-        the round whose record it completed (``server_round``)."""
+        the ``last`` evaluation of a run: then with the clients drawn at its end, even for a
+        round ``evaluate-every`` skips); returns the round whose record it completed
+        (``server_round``). A skipped round's clients are drawn and kept, not asked."""
         with self.ledger.server_cpu(server_round):
-            clients = self.evaluation.take()
+            clients = self.evaluation.take(last)
             if clients is None:
                 clients = self.admit_and_sample(grid, server_round, arrays,
                                                 self.evaluation.fraction(server_round),
                                                 MessageType.EVALUATE)
-            if not self.evaluation.evaluates(server_round):
-                return server_round  # drawn all the same (PendingEvaluation.evaluates)
+            if not (last or self.evaluation.evaluates(server_round)):
+                self.evaluation.draw(clients, asked=False)
+                return server_round
             messages = self.messenger.address(server_round, clients, arrays,
                                               MessageType.EVALUATE, server_round)
         batch = self.messenger.send(grid, messages)
