@@ -29,16 +29,19 @@ def test_fused_evaluation_equals_two_exchanges(shared_runs, method):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize(("method", "fused"), [
+    ("fedavg", True), ("fedavg", False),
+    # the servers that read each client's upload: matching, branches, factor analysis
+    ("factorized-fl", True), ("pfedc", True), ("fedfac", True)])
 def test_evaluating_every_other_round_leaves_training_and_the_evaluated_rounds_as_they_were(
-        shared_runs, fused):
+        shared_runs, method, fused):
     """``evaluate-every = 2`` over 16 rounds: rounds 1, 3 and 5 are not evaluated (2, 4, 6
     and each of the last 10 are); one client of three trains a round, so the trainers are
     drawn after each evaluation draw, which is made in every round all the same. Every round
     trains as in the run that evaluates all, and every evaluated round scores as there."""
     base = {"num-server-rounds": 16, "fraction-train": 0.5, "fused-evaluation": fused}
-    every = shared_runs.reference("fedavg", **base)[1]
-    sparse = shared_runs.reference("fedavg", **base, **{"evaluate-every": 2})[1]
+    every = shared_runs.reference(method, **base)[1]
+    sparse = shared_runs.reference(method, **base, **{"evaluate-every": 2})[1]
     assert [r["round"] for r in sparse["rounds"]] == list(range(1, 17))
     assert [r["round"] for r in sparse["rounds"] if "eval" in r] == [2, 4, *range(6, 17)]
     for full, thin in zip(every["rounds"], sparse["rounds"], strict=True):
