@@ -250,11 +250,13 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
             raise ConfigError(f"device: unknown value {device!r}; allowed: {DEVICES_HELP}")
         settings.trackers()
         check_privacy_bound(settings)
-        if settings.expire_rounds and settings.evaluate_every > settings.expire_rounds:
-            raise ConfigError(f"evaluate-every={settings.evaluate_every} with "
-                              f"identity.expire-rounds={settings.expire_rounds}: a client "
-                              "that does not train is heard from at its evaluations only and "
-                              "would expire between them; lower evaluate-every")
+        every, expire = settings.evaluate_every, settings.expire_rounds
+        if every > 1 and expire and every >= expire:
+            # with fused evaluation round r's evaluation is heard in round r + 1's exchange:
+            # k + 1 rounds apart at most, past expire-rounds unless k is below it
+            raise ConfigError(f"evaluate-every={every} with identity.expire-rounds={expire}: "
+                              "a client that does not train is heard from at its evaluations "
+                              "only and would expire between them; lower evaluate-every")
         return settings
 
     def trackers(self) -> list[str]:

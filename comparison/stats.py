@@ -37,8 +37,8 @@ SLOPE_ROUNDS = EVALUATED_LAST_ROUNDS  # rounds that every run evaluates, at any 
 RISING = 0.002  # accuracy per round over the last SLOPE_ROUNDS: the curve has not flattened
 MB = 1024**2
 # keys that do not change a run's numbers: a stored run that differs only in these is reused
-# (evaluate-every thins the curve, never a figure: those read the rounds it always evaluates,
-# unless dp.target-epsilon ends the run before them: comparable_config)
+# (evaluate-every thins the curve, not the figures: those read the rounds it always evaluates,
+# except where thins_figures says otherwise)
 NOT_IN_RESULTS = frozenset({"output-dir", "resume-from", "plot", "tracking", "device",
                             "data-cache", "round-timeout", "max-in-flight", "evaluate-every"})
 PROJECT_CACHE = "/.cache/pflower/"  # under a home folder: the project's data cache
@@ -56,10 +56,18 @@ def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
     from the cache on (``~/.cache/pflower/bench/...``: the home folder differs between
     machines; any other path, or a hub name, counts whole). Two runs whose comparable configs
     are equal give the same numbers."""
-    ignored = (NOT_IN_RESULTS - {"evaluate-every"} if config.get("dp.target-epsilon")
-               else NOT_IN_RESULTS)  # a budget stop may end the run before its last rounds
     return {k: _in_cache(v) if k == "dataset" else v
-            for k, v in config.items() if k not in ignored}
+            for k, v in config.items()
+            if k not in NOT_IN_RESULTS or (k == "evaluate-every" and thins_figures(config))}
+
+
+def thins_figures(config: Mapping[str, Any]) -> bool:
+    """Whether ``evaluate-every`` may change a run's figures (docs/results.md): where a DP
+    budget stop can end the run before its last rounds, or where a client can go unheard
+    long enough to expire (not everyone evaluates, and ids expire)."""
+    return bool(config.get("dp.target-epsilon")
+                or (config.get("fraction-evaluate", 1.0) < 1
+                    and config.get("identity.expire-rounds", 0)))
 
 
 def _in_cache(dataset: Any) -> Any:

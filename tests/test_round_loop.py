@@ -40,8 +40,9 @@ class _ScriptedEngine:
     ``no_update``: no valid reply); under fused evaluation the next round's exchange (or the
     loop's last evaluate exchange) completes its record; planning a round past
     ``budget_rounds`` raises ``BudgetSpentError``, as a DP run's ``dp.target-epsilon`` does;
-    the rounds of ``not_evaluated`` are complete once trained (``evaluate-every``).
-    ``trained`` and ``evaluated``: (round, the value of the arrays it was given)."""
+    the rounds of ``not_evaluated`` are complete once trained (``evaluate-every``), their
+    draw kept and asked only as the run's ``last`` evaluation. ``trained`` and ``evaluated``:
+    (round, the value of the arrays it was given)."""
 
     def __init__(self, fused: bool, budget_rounds: int = 100,
                  no_update: tuple[int, ...] = (), not_evaluated: tuple[int, ...] = ()) -> None:
@@ -49,29 +50,31 @@ class _ScriptedEngine:
         self.budget_rounds, self.no_update = budget_rounds, no_update
         self.not_evaluated = not_evaluated
         self.pending: int | None = None  # the round whose evaluation is still to be asked
+        self.asked = True  # False: pending for a skipped round, asked only as the last
         self.trained: list[tuple[int, float]] = []
         self.evaluated: list[tuple[int, float]] = []
 
     def plan_round(self, grid: None, server_round: int, arrays: ArrayRecord) -> RoundPlan:
         if server_round > self.budget_rounds:
             raise BudgetSpentError(f"round {server_round} would pass dp.target-epsilon")
-        evaluated, self.pending = self.pending, None
+        evaluated, self.pending = self.pending if self.asked else None, None
         return RoundPlan(server_round, {}, {}, evaluated)
 
     def train_round(self, grid: None, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
         self.trained.append((plan.round, _value(arrays)))
         completed = () if plan.evaluated is None else (plan.evaluated,)
-        if self.settings.fused_evaluation and plan.round in self.not_evaluated:
-            completed += (plan.round,)
-        elif self.settings.fused_evaluation:
-            self.pending = plan.round
+        if self.settings.fused_evaluation:
+            self.pending, self.asked = plan.round, plan.round not in self.not_evaluated
+            completed += () if self.asked else (plan.round,)
         return RoundOutcome(None if plan.round in self.no_update else _arrays(plan.round),
                             completed)
 
     def evaluate_round(self, grid: None, server_round: int, arrays: ArrayRecord,
                        last: bool = False) -> int:
         self.pending = None
-        if server_round not in self.not_evaluated:
+        if server_round in self.not_evaluated and not last:
+            self.pending, self.asked = server_round, False
+        else:
             self.evaluated.append((server_round, _value(arrays)))
         return server_round
 
@@ -115,6 +118,15 @@ def test_a_spent_budget_stops_the_run_before_that_round_and_evaluates_the_last_i
     assert [r["round"] for r in recorder.rounds] == [1, 2]
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_budget_stop_after_a_skipped_round_evaluates_that_round_once(tmp_path, fused):
+    engine = _ScriptedEngine(fused, budget_rounds=3, not_evaluated=(1, 2, 3))
+    recorder = _recorder(engine, tmp_path)
+    run_rounds(None, engine, recorder, _arrays(0), 1, 20, ["1"])
+    assert engine.evaluated == [(3, 3)] and not engine.evaluation_pending()
+    assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("first_round", [1, 4])
 def test_a_budget_spent_before_the_first_round_to_run_fails_the_run(tmp_path, first_round):
     """A fresh run, or one resumed at round 4, that may not run a single round fails: its
@@ -148,17 +160,18 @@ def test_evaluate_every_asks_every_kth_round_and_each_of_the_last_ten(every, rou
 
 
 def test_an_evaluate_every_that_would_let_client_ids_expire_stops_at_start():
-    with pytest.raises(ConfigError, match=r"^evaluate-every=51 with identity.expire-rounds=50: "):
-        load_settings(app_config(**{"evaluate-every": 51}))
-    load_settings(app_config(**{"evaluate-every": 50}))  # heard from in time, just
-    load_settings(app_config(**{"evaluate-every": 51, "identity.expire-rounds": 0}))
+    with pytest.raises(ConfigError, match=r"^evaluate-every=50 with identity.expire-rounds=50: "):
+        load_settings(app_config(**{"evaluate-every": 50}))
+    load_settings(app_config(**{"evaluate-every": 49}))  # heard from in time, just
+    load_settings(app_config(**{"evaluate-every": 50, "identity.expire-rounds": 0}))
+    load_settings(app_config(**{"identity.expire-rounds": 1}))  # every round: as ever
 
 
 def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp_path):
     """Its last checkpoint holds no pending evaluation: the loop has nothing to run, and no
-    evaluate exchange is sent (this one has no Grid: sending would fail). One taken while an
-    evaluation was pending has it asked, and the last round's entry then holds it (one entry
-    a round). The engine is the real one."""
+    evaluate exchange is sent (this one has no Grid: sending would fail), so results.json
+    gets no second entry for the last round. One taken after round 3's training, before its
+    evaluation, has it asked. The engine is the real one."""
     settings = load_settings(app_config(method="fedavg"))
     arrays, wire = initial_state(settings)
     engine = RoundEngine(settings, wire, REGISTRY["fedavg"].rule)
@@ -167,13 +180,13 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
     recorder.rounds = [RoundRecord().entry(r, 1.0) for r in (1, 2, 3)]
     assert run_rounds(None, engine, recorder, arrays, 4, 3, ["1"]) == (arrays, "")
     assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
-    # a checkpoint taken after round 3's training, before its evaluation: it is asked now
-    # (drawn here with nobody in it, fraction-evaluate = 0, so no Grid is needed)
+    # round 3's evaluation pending (drawn here with nobody in it, so no Grid is needed):
+    # results.json has rounds 1-2, and round 3 once it is asked
+    recorder.rounds = recorder.rounds[:2]
     engine.evaluation.draw({})
     assert engine.evaluation_pending() is True
     run_rounds(None, engine, recorder, arrays, 4, 3, ["1"])
     assert [r["round"] for r in recorder.rounds] == [1, 2, 3]
-    assert recorder.rounds[-1]["seconds"] > 1.0  # its own and the evaluation's
     assert engine.evaluation_pending() is False
 
 

@@ -71,10 +71,16 @@ def test_a_run_is_stored_once_and_reused_while_its_numbers_are_todays(tmp_path):
     assert runner.calls == 1
 
 
-def test_evaluate_every_counts_only_where_a_budget_stop_may_end_a_run_early():
-    assert comparable_config({"lr": 0.1, "evaluate-every": 10}) == {"lr": 0.1}
-    stopping = {"lr": 0.1, "evaluate-every": 10, "dp.target-epsilon": 3.0}
-    assert comparable_config(stopping) == stopping
+def test_evaluate_every_counts_only_where_it_may_change_a_figure():
+    everyone = {"lr": 0.1, "evaluate-every": 10, "fraction-evaluate": 1.0,
+                "identity.expire-rounds": 50}
+    assert comparable_config(everyone) == {k: v for k, v in everyone.items()
+                                           if k != "evaluate-every"}
+    for change in ({"dp.target-epsilon": 3.0},  # a budget stop before the last rounds
+                   {"fraction-evaluate": 0.5}):  # a client may go unheard until it expires
+        assert comparable_config({**everyone, **change}) == {**everyone, **change}
+    assert "evaluate-every" not in comparable_config(
+        {**everyone, "fraction-evaluate": 0.5, "identity.expire-rounds": 0})
 
 
 @pytest.mark.parametrize(("change", "current"), [
