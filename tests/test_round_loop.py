@@ -11,6 +11,7 @@ import pytest
 from flwr.app import Array, ArrayRecord
 
 from common.config import ConfigError
+from common.durable import load_tree, save_tree
 from common.record import RoundRecord
 from server_app.results import ResultsRecorder
 from server_app.rounds import run_rounds
@@ -157,6 +158,25 @@ def test_evaluate_every_asks_every_kth_round_and_each_of_the_last_ten(every, rou
                                            "num-server-rounds": rounds}))
     engine = RoundEngine(settings, initial_state(settings)[1], REGISTRY["fedavg"].rule)
     assert [r for r in range(1, rounds + 1) if engine.evaluation.evaluates(r)] == evaluated
+
+
+def test_a_checkpoint_after_a_skipped_round_keeps_its_draw_unasked(tmp_path):
+    """Saved and loaded as a checkpoint is: the resumed run's next round asks nobody for
+    round 3, a budget stop would."""
+    settings = load_settings(app_config(**{"evaluate-every": 5, "num-server-rounds": 20}))
+    engines = [RoundEngine(settings, initial_state(settings)[1], REGISTRY["fedavg"].rule)
+               for _ in range(2)]
+    for engine in engines:
+        assert engine.nodes.claim(7, "a", 3) is None
+    engines[0].evaluation.draw({7: "a"}, asked=False)
+    save_tree(tmp_path / "checkpoint.npz", engines[0].snapshot(3))
+    resumed = engines[1]
+    resumed.restore(load_tree(tmp_path / "checkpoint.npz"))
+    resumed.evaluation.resolve(resumed.nodes)
+    assert resumed.evaluation_pending() and resumed.evaluation.take() is None
+    resumed.restore(load_tree(tmp_path / "checkpoint.npz"))
+    resumed.evaluation.resolve(resumed.nodes)
+    assert resumed.evaluation.take(last=True) == {7: "a"}
 
 
 def test_an_evaluate_every_that_would_let_client_ids_expire_stops_at_start():
