@@ -12,6 +12,7 @@ from common.config import ConfigError
 from common.protocol import error_reason, shared_failure
 from launch.app_project import app_defaults
 from launch.run_config import check_run_config, parse_overrides
+from server_app import tracking
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import RunFailedError, stop_if_every_reply_failed
 from tests.conftest import ROOT
@@ -36,8 +37,9 @@ def test_overrides_are_read_as_people_type_them(typed, value):
 def test_an_override_that_cannot_be_read_names_its_key():
     with pytest.raises(ConfigError, match=r"^method: cannot read the value 'fed per'"):
         parse_overrides(["method=fed per"], DEFAULTS)
-    with pytest.raises(ConfigError, match=r"an override is key=value"):
-        parse_overrides(["method"], DEFAULTS)
+    for item in ("method", "=fedper", " =fedper"):
+        with pytest.raises(ConfigError, match=r"an override is key=value"):
+            parse_overrides([item], DEFAULTS)
 
 
 def test_the_check_names_unknown_keys_with_the_closest_known_one():
@@ -49,6 +51,12 @@ def test_the_check_names_unknown_keys_with_the_closest_known_one():
     with pytest.raises(ConfigError, match=r"^lr: expected float, got 'fast'"):
         check_run_config(parse_overrides(["lr=fast"], DEFAULTS), ROOT)
     assert check_run_config({"method": "fedper"}, ROOT).method == "fedper"
+
+
+def test_the_check_finds_a_missing_tracker_package_before_anything_starts(monkeypatch):
+    monkeypatch.setitem(tracking.REQUIREMENTS, "mlflow", ("no_such_module_xyz", "mlflow"))
+    with pytest.raises(ConfigError, match=r"^tracking: mlflow not installed where the "):
+        check_run_config({"tracking": "mlflow"}, ROOT)
 
 
 def test_the_check_finds_missing_files_before_anything_starts(tmp_path):
