@@ -152,8 +152,8 @@ def common_rounds(cells: list[dict[str, Any]]) -> tuple[list[int], list[list[flo
     ``evaluate-every`` share every k-th round and the last ten), and each cell's accuracy at
     them."""
     rounds = sorted(set.intersection(*(set(c["rounds"]) for c in cells)))
-    return rounds, [[dict(zip(c["rounds"], c["accuracy_per_round"], strict=True))[r]
-                     for r in rounds] for c in cells]
+    curves = [dict(zip(c["rounds"], c["accuracy_per_round"], strict=True)) for c in cells]
+    return rounds, [[curve[r] for r in rounds] for curve in curves]
 
 
 def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
