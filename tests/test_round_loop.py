@@ -18,13 +18,13 @@ from server_app.rounds import run_rounds
 from server_app.tracking import Tracking
 from strategies.engine import (
     BudgetSpentError,
-    RoundEngine,
     RoundOutcome,
     RoundPlan,
     RunFailedError,
 )
-from strategies.registry import REGISTRY, initial_state, load_settings
+from strategies.registry import load_settings
 from tests.conftest import app_config
+from tests.test_trust import _strategy
 
 
 def _arrays(value: float) -> ArrayRecord:
@@ -154,17 +154,14 @@ def test_the_rounds_an_exchange_completed_are_written_in_order(tmp_path):
     (10, 35, [10, 20, *range(26, 36)]), (40, 8, list(range(1, 9)))])
 def test_evaluate_every_asks_every_kth_round_and_each_of_the_last_ten(every, rounds,
                                                                       evaluated):
-    settings = load_settings(app_config(**{"evaluate-every": every,
-                                           "num-server-rounds": rounds}))
-    engine = RoundEngine(settings, initial_state(settings)[1], REGISTRY["fedavg"].rule)
+    engine, _ = _strategy(**{"evaluate-every": every, "num-server-rounds": rounds})
     assert [r for r in range(1, rounds + 1) if engine.evaluation.evaluates(r)] == evaluated
 
 
 def test_a_checkpoint_after_a_skipped_round_keeps_its_draw_unasked(tmp_path):
     """Saved and loaded as a checkpoint is: the resumed run's next round asks nobody for
     round 3, a budget stop would."""
-    settings = load_settings(app_config(**{"evaluate-every": 5, "num-server-rounds": 20}))
-    engines = [RoundEngine(settings, initial_state(settings)[1], REGISTRY["fedavg"].rule)
+    engines = [_strategy(**{"evaluate-every": 5, "num-server-rounds": 20})[0]
                for _ in range(2)]
     for engine in engines:
         assert engine.nodes.claim(7, "a", 3) is None
@@ -192,9 +189,7 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
     evaluate exchange is sent (this one has no Grid: sending would fail), so results.json
     gets no second entry for the last round. One taken after round 3's training, before its
     evaluation, has it asked. The engine is the real one."""
-    settings = load_settings(app_config(method="fedavg"))
-    arrays, wire = initial_state(settings)
-    engine = RoundEngine(settings, wire, REGISTRY["fedavg"].rule)
+    engine, arrays = _strategy()
     assert engine.evaluation_pending() is False  # nothing drawn before round 1
     recorder = _recorder(engine, tmp_path)
     recorder.rounds = [RoundRecord().entry(r, 1.0) for r in (1, 2, 3)]
@@ -211,8 +206,7 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
 
 
 def test_a_skipped_rounds_draw_is_asked_only_as_a_runs_last_evaluation():
-    settings = load_settings(app_config(**{"evaluate-every": 5, "num-server-rounds": 20}))
-    engine = RoundEngine(settings, initial_state(settings)[1], REGISTRY["fedavg"].rule)
+    engine, _ = _strategy(**{"evaluate-every": 5, "num-server-rounds": 20})
     evaluation = engine.evaluation
     evaluation.rejoined_at_evaluate.add("a")  # found rejoining at round 3's admission
     evaluation.draw({7: "a"}, asked=False)  # round 3's, which evaluate-every skips
