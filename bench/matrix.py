@@ -19,15 +19,17 @@ always written from all cells present (plots in ``bench/results/matrix/``). The 
   same model (LeNet-5), rounds, local epochs, batch size and evaluation for every method
   (``COMMON``);
 - search, on seed ``TUNING_SEED``, the same for every row: its defaults at every learning
-  rate of ``LR_GRID``, then at the best one ``EXTRA_CONFIGS`` more (the method's own
-  ``SETTINGS``, then ``COMMON_KNOBS``); each tuning run reads the tuning pool (disjoint from
+  rate of ``LR_GRID`` (and past its end while the best is there, ``next_learning_rate``),
+  then at the best one the rest of ``EXTRA_CONFIGS`` (the method's own ``SETTINGS``, then
+  ``COMMON_KNOBS``); each tuning run reads the tuning pool (disjoint from
   the report pool) and is scored on validation splits (``TUNING``); the configuration with
   the best mean of its last 5 rounds of validation accuracy is kept;
 - report: the kept configuration on seeds ``REPORT_SEEDS``; mean and standard deviation over
   seeds of each run's last-5-round accuracy (never the best round), its slope, the lowest
   client, the task accuracy, uplink and seconds; each claim judged on the per-seed paired
   difference (``bench/evidence/claims.py``); ``bench/results/matrix/summary.json`` beside the
-  report. A row whose search is incomplete reports its defaults and is marked so;
+  report. With ``--stage report`` a row whose search is incomplete reports its defaults and
+  is marked so; the whole matrix runs no report seed for it;
 - more seeds (``EXTRA_SEEDS``) for the rows and references of a claim whose interval lies
   across its margin after the report seeds, once (``bench/evidence/claims.py``);
 - ablations (``ABLATIONS``, run after the rows): a row's tuned configuration with one

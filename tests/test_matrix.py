@@ -1,5 +1,6 @@
-"""The evidence matrix (bench/matrix.py): equal tuning budgets, cells that resume, a report
-computed from the stored runs (its verdicts: tests/test_matrix_claims.py)."""
+"""The evidence matrix (bench/matrix.py): rounds doubled until a row converges, cells that
+resume, a report computed from the stored runs (its search: tests/test_matrix_search.py; its
+verdicts: tests/test_matrix_claims.py)."""
 
 from __future__ import annotations
 
@@ -35,45 +36,17 @@ def _store(matrix: Matrix, scenario: str, item, config: dict, curve: list[float]
         "mb_up_total": 1.0, "seconds_total": 1.0}))
 
 
-def test_every_row_searches_the_same_learning_rates_and_the_same_extra_budget(tmp_path):
-    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
-    lrs = len(protocol.LR_GRID)
-    for scenario, spec in SCENARIOS.items():
-        for item in spec.entries:
-            home = spec.searched_on or scenario
-            for k, lr in enumerate(protocol.LR_GRID):  # 0.03 is best for every row
-                _store(offline, home, item, {"lr": lr}, [0.9 if lr == 0.03 else 0.1 * k] * 5)
-            searched = [c for c, _ in offline.searched(scenario, item, tune=False)]
-            assert [c["lr"] for c in searched[:lrs]] == list(protocol.LR_GRID), item.label
-            extra = searched[lrs:]
-            assert len(extra) == protocol.EXTRA_CONFIGS, item.label
-            assert all(c["lr"] == 0.03 and len(c) > 1 for c in extra), item.label
-            # in full (summary.json's grid): the method's defaults, the row's fixed settings
-            full = offline.method_config(scenario, item, searched[0])
-            assert all(full[k] == v for k, v in item.fixed.items()), item.label
-            # and every configuration apart: a common knob is listed with the learning rate
-            grid = [offline.method_config(scenario, item, c) for c in searched]
-            assert all(grid.count(c) == 1 for c in grid), (item.label, grid)
-    # a row without settings of its own searches the common knobs; FedRep fills its three
-    assert protocol.settings_stage("fedavg", 0.03) == [
-        {"lr": 0.03, **knob} for knob in protocol.COMMON_KNOBS]
-    assert protocol.settings_stage("fedrep", 0.03)[-1] == {"lr": 0.03,
-                                                           **protocol.COMMON_KNOBS[0]}
-    # no row's choice can lie at an end of the grid unless the grid's ends are tried: it
-    # spans two and a half decades
-    assert protocol.LR_GRID[-1] / protocol.LR_GRID[0] >= 100
-
-
 def _tuned_fedavg(tmp_path) -> tuple[Matrix, protocol.Entry, dict]:
-    """Dirichlet 0.1's FedAvg row with its whole search stored: the largest learning rate
-    wins (two-round tuning cells), and no further setting beats it."""
+    """Dirichlet 0.1's FedAvg row with its whole search stored: the second largest learning
+    rate wins (two-round tuning cells), and no further setting beats it."""
     offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
     item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
+    best = protocol.LR_GRID[-2]
     for k, lr in enumerate(protocol.LR_GRID):
-        _store(offline, "dirichlet-0.1", item, {"lr": lr}, [0.1 * k] * 2)
-    for config in protocol.settings_stage("fedavg", protocol.LR_GRID[-1]):
+        _store(offline, "dirichlet-0.1", item, {"lr": lr}, [0.1 * k if lr <= best else 0.0] * 2)
+    for config in protocol.settings_stage("fedavg", best):
         _store(offline, "dirichlet-0.1", item, config, [0.0] * 2)
-    return offline, item, {"lr": protocol.LR_GRID[-1]}
+    return offline, item, {"lr": best}
 
 
 def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rounds(tmp_path):
@@ -176,55 +149,6 @@ def test_the_pools_are_disjoint(tmp_path, monkeypatch):
     assert len(tuning["x"]) == 500 and not rows & {x.tobytes() for x in tuning["x"]}
 
 
-def test_the_paper_methods_search_the_ranges_their_papers_report():
-    settings = protocol.SETTINGS
-    assert any(c.get("fedfac.layers") not in (None, "0") for c in settings["fedfac"])
-    assert max(c.get("fedfac.tau-quantile", 0) for c in settings["fedfac"]) >= 0.9
-    # the authors' own setting: the analysed layer wholly personal
-    assert any(c.get("fedfac.tau-quantile", 0) > 1 for c in settings["fedfac"])
-    assert {0.0} <= {c.get("factorized-fl.l1") for c in settings["factorized-fl"]}
-    assert any(c.get("factorized-fl.tau") == 0.95 and c.get("factorized-fl.epsilon") == 20.0
-               and c.get("factorized-fl.min-aggregated") == 4
-               for c in settings["factorized-fl"])
-    # FedDecomp's scale is searched: the authors' (its default) against the other two
-    assert {c.get("feddecomp.tau-scale") for c in settings["feddecomp"]} >= {"inverse-rank",
-                                                                            "none"}
-    # the first stage runs the papers' defaults: FedDecomp's 2 low-rank epochs of 5
-    assert protocol.COMMON["local-epochs"] == 5
-    assert protocol.FEDDECOMP.fixed == {"feddecomp.lora-epochs": 2}
-
-
-def test_the_search_takes_the_best_learning_rate_then_the_best_setting_by_the_last_rounds(
-        tmp_path):
-    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedprox")
-    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
-
-    def store(config, curve):
-        _store(offline, "dirichlet-0.1", item, config, curve)
-
-    # 0.01 has the best final round, 0.03 the best last 5 rounds: 0.03 is kept
-    for lr in protocol.LR_GRID:
-        store({"lr": lr}, {0.01: [0.5] * 9 + [0.9], 0.03: [0.7] * 10}.get(lr, [0.1] * 10))
-    assert offline.tuned("dirichlet-0.1", item, tune=False) == ({}, False)  # stage 2 missing
-    searched = offline.searched("dirichlet-0.1", item, tune=False)
-    assert ([c for c, _ in searched][len(protocol.LR_GRID):]
-            == protocol.settings_stage("fedprox", 0.03))
-    for k, config in enumerate(protocol.settings_stage("fedprox", 0.03)):
-        store(config, [0.8 if k == 2 else 0.6] * 10)
-    chosen, tuned = offline.tuned("dirichlet-0.1", item, tune=False)
-    assert tuned and chosen == protocol.settings_stage("fedprox", 0.03)[2]
-    # cross-device is not searched again: its rows report what they chose on Dirichlet 0.1
-    assert protocol.SCENARIOS["cross-device"].searched_on == "dirichlet-0.1"
-    assert offline.tuned("cross-device", item, tune=False) == (chosen, True)
-
-
-def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
-    assert protocol.expand({"lr": 0.05, "feddecomp.rank": 0.25}) == {
-        "lr": 0.05, "feddecomp.rank-conv": 0.25, "feddecomp.rank-linear": 0.25}
-    assert protocol.expand({"feddecomp.rank": 0.25, "feddecomp.rank-conv": 1.0}) == {
-        "feddecomp.rank-conv": 1.0, "feddecomp.rank-linear": 0.25}
-
-
 @pytest.mark.integration
 def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_path,
                                                               monkeypatch):
@@ -294,9 +218,11 @@ def test_a_rows_curve_is_drawn_on_the_rounds_all_its_cells_evaluated():
 @pytest.mark.integration
 def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federation, tmp_path,
                                                                        monkeypatch):
-    """The tuning cells are written here (their accuracies decide which configuration is
-    kept); the ablation itself is a real run."""
+    """The tuning cells and the row's report cell are written here (their accuracies decide
+    which configuration is kept); the ablation itself is a real run. The row chose a conv
+    rank of its own, which the ablation's rank replaces: full rank in every layer."""
     monkeypatch.setattr(protocol, "REPORT_SEEDS", (1,))
+    monkeypatch.setattr(protocol, "MAX_DOUBLINGS", 0)  # one seed: convergence unjudged
     # 3 local epochs: the FedDecomp row trains tau for 2 of them and sigma for the third
     common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 3, "plot": False}
     probe = protocol.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
@@ -305,17 +231,20 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
     assert offline.ablation(probe) == []  # its row is not tuned yet
     item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "feddecomp")
     grid = protocol.learning_rate_stage() + protocol.settings_stage("feddecomp", 0.03)
-    best = grid[len(protocol.LR_GRID) + 1]
-    assert best["feddecomp.tau-scale"] == "none"
+    best = grid[len(protocol.LR_GRID) + 2]
+    assert best == {"lr": 0.03, "feddecomp.rank-conv": 0.3}
     for k, config in enumerate(grid):
         accuracy = 0.9 if config == best else 0.5 if config == {"lr": 0.03} else 0.01 * k
         _store(offline, "dirichlet-0.1", item, config, [accuracy] * 2)
+    assert offline.ablation(probe) == []  # its row has no report seed yet
+    _store(offline, "dirichlet-0.1", item, best, [0.9] * 2, stage="report", seed=1)
 
     [cell] = Matrix(federation, common, tmp_path, num_clients=3).ablation(probe)
-    assert cell["stage"] == "ablation" and cell["config"] == {**best, "feddecomp.rank": 1.0}
+    assert cell["stage"] == "ablation" and cell["config"] == {"lr": 0.03, "feddecomp.rank": 1.0}
     assert cell["run_config"]["lr"] == best["lr"]
     assert cell["run_config"]["feddecomp.rank-conv"] == 1.0
-    assert cell["run_config"]["feddecomp.tau-scale"] == "none"
+    assert cell["run_config"]["feddecomp.rank-linear"] == 1.0
+    assert cell["run_config"]["feddecomp.lora-epochs"] == 2  # the row's fixed setting
     assert offline.ablation(probe) == [cell]  # stored: not run again
 
 
@@ -353,3 +282,4 @@ def test_a_cell_is_stale_when_a_default_its_method_ran_under_changed(tmp_path):
                           ("/data/bench/pool.npz", False), ("pool.npz", False)):
         home.common = {**COMMON_DIGITS, "dataset": dataset}
         assert stored(home, "fedavg") is same, dataset
+

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench.evidence import protocol
-from bench.evidence.cells import Matrix, select
+from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
 from common.protocol import NOT_FINITE
 from launch.federation import FlowerRun
@@ -39,7 +39,53 @@ def test_an_ablation_is_its_rows_reported_configuration_with_its_change_winning(
 
     untuned = Matrix(None, COMMON_DIGITS, tmp_path / "other", num_clients=3)
     assert untuned.ablation(probe) == []
-    assert "dirichlet-0.1/fedavg: not tuned yet, no ablation" in capsys.readouterr().err
+    assert "dirichlet-0.1/fedavg lr=0.5: not tuned yet; no ablation" in capsys.readouterr().err
+
+
+def test_an_ablation_waits_for_its_rows_report_seeds_and_skips_a_change_the_row_has(
+        tmp_path, capsys):
+    """Its row may still double its rounds while a report seed is missing; a change that
+    leaves the row's run as it is (its own learning rate; a default it runs anyway) would
+    repeat the row's cells under another name."""
+    offline, item, tuned = _tuned_fedavg(tmp_path)
+    probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "")
+    _report(offline, item, tuned, protocol.REPORT_SEEDS[:-1])
+    assert offline.ablation(probe) == []
+    assert ("dirichlet-0.1/fedavg lr=0.5: its report seeds have not all run; no ablation"
+            in capsys.readouterr().err)
+    _report(offline, item, tuned, protocol.REPORT_SEEDS[-1:])
+    same = [protocol.Ablation(SCENARIO, "fedavg", change, "")
+            for change in ({"lr": tuned["lr"]}, {"local-epochs": COMMON_DIGITS["local-epochs"]})]
+    for ablation in same:
+        assert offline.ablation(ablation) == [] and offline.redundant(ablation)
+        assert "already has this change" in capsys.readouterr().err
+    assert not offline.redundant(probe)
+
+
+class _FailingFederation:
+    """Every run crashes before it writes a result; the output folders it was asked for are
+    kept in ``asked``."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def run(self, app: Path, run_config: dict, num_supernodes: int,
+            timeout: float) -> FlowerRun:
+        self.asked.append(Path(run_config["output-dir"]).name)
+        return FlowerRun(1, "Traceback: boom", "1", "finished:failed", "boom")
+
+
+def test_a_row_whose_search_failed_runs_no_report_seed_on_its_defaults(tmp_path, capsys):
+    federation = _FailingFederation()
+    matrix = Matrix(federation, COMMON_DIGITS, tmp_path, num_clients=3)
+    row = select([SCENARIO], ["fedavg"])
+    run(matrix, row, "all")
+    assert len(federation.asked) == len(protocol.LR_GRID)
+    assert all(name.startswith("tune-lr=") for name in federation.asked)
+    assert "its search did not complete" in capsys.readouterr().err
+    run(matrix, row, "report")  # asked for: its defaults, each report seed
+    assert federation.asked[len(protocol.LR_GRID):] == [
+        f"report-defaults-seed{seed}" for seed in protocol.REPORT_SEEDS]
 
 
 def test_a_privacy_level_runs_at_the_scenarios_rounds_even_where_the_row_doubled_them(

@@ -18,13 +18,18 @@ from tests.conftest import ROOT
 
 
 def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True,
-         num_rounds: int = 40, task: list[float] | None = None) -> dict:
+         num_rounds: int = 40, task: list[float] | None = None,
+         slopes: list[float] | None = None) -> dict:
     """A row as ``row_stats`` gives it, from its per-seed figures (seeds 1, 2, ...), its task
-    accuracy the same as its accuracy unless ``task`` is given."""
+    accuracy the same as its accuracy unless ``task`` is given, its curves flat (converged)
+    unless ``slopes`` are given."""
     task = per_seed if task is None else task
-    return {"per_seed": {seed: {"accuracy": a, "task_accuracy": t}
-                         for seed, (a, t) in enumerate(zip(per_seed, task, strict=True), 1)},
+    slopes = [0.0] * len(per_seed) if slopes is None else slopes
+    return {"per_seed": {seed: {"accuracy": a, "task_accuracy": t, "slope": s}
+                         for seed, (a, t, s) in enumerate(zip(per_seed, task, slopes,
+                                                              strict=True), 1)},
             "accuracy": (statistics.fmean(per_seed), 0.0), "mb_up": (mb_up, 0.0),
+            "slope": (statistics.fmean(slopes), 0.0),
             "seeds": len(per_seed), "tuned": tuned, "num_rounds": num_rounds}
 
 
@@ -156,6 +161,20 @@ def test_an_undecided_claim_gets_extra_seeds_for_its_row_and_reference_once():
     assert best["reference"] == "fedper" and len(best["paired_diffs"]) == 10
 
 
+def test_a_claim_names_its_row_or_reference_that_had_not_converged():
+    base = [0.60, 0.62, 0.58, 0.61, 0.59]
+    rising = [0.004, 0.003, 0.005, 0.004, 0.003]  # 0.4 points a round at the last round
+    stats = {"dirichlet-0.1": {"fedavg": _row(base, slopes=rising),
+                               "feddecomp": _row([b + 0.06 for b in base])}}
+    claim = "FedDecomp >= FedAvg + 5 points on Dirichlet 0.1"
+    judged = {c["claim"]: c for c in claims(stats)}[claim]
+    assert judged["verdict"] == "held" and judged["not_converged"] == ["fedavg"]
+    assert claim_line(judged).endswith("; ⚑ not converged: fedavg (below))")
+    stats["dirichlet-0.1"]["fedavg"] = _row(base)
+    judged = {c["claim"]: c for c in claims(stats)}[claim]
+    assert judged["not_converged"] == [] and "⚑" not in claim_line(judged)
+
+
 def test_a_task_accuracy_claim_is_judged_against_the_best_reference_on_task_accuracy():
     base = [0.60, 0.62, 0.58, 0.61, 0.59]
     up = [b + 0.05 for b in base]
@@ -180,7 +199,7 @@ def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
         ablation = {seed: {"accuracy": a} for seed, a in zip(seeds, per_seed, strict=True)}
         return ablation_table({("dirichlet-0.1", "feddecomp", "feddecomp.rank=1.0"): {
             "ablation": probe, "row": row, "seeds": len(seeds), "per_seed": ablation,
-            "accuracy": (statistics.fmean(per_seed), 0.0), "accuracy_min": (0.5, 0.0)}})
+            "accuracy": (statistics.fmean(per_seed), 0.0), "accuracy_min": (0.5, 0.0)}}, [])
 
     shifted = [a["accuracy"] + g for a, g in zip(row["per_seed"].values(), gains, strict=True)]
     last = table(shifted, [1, 2, 3, 4, 5]).splitlines()[-1]
@@ -193,6 +212,10 @@ def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
         "| +6.2 [+4.9, +7.5] |")
     # one common seed: the difference alone
     assert table([0.70], [5]).splitlines()[-1].endswith("| +11.0 |")
+    # one whose change the row's configuration already has is listed, not run
+    assert ablation_table({}, [probe]).splitlines()[-1] == (
+        "| dirichlet-0.1/feddecomp | feddecomp.rank=1.0 | why? | - | not run: the row's tuned "
+        "configuration already has this change | | | |")
 
 
 

@@ -16,7 +16,9 @@ from bench.evidence.protocol import (
     cells_folder,
     expand,
     learning_rate_stage,
+    next_learning_rate,
     settings_stage,
+    with_change,
 )
 from bench.report import RESULTS, produced_by
 from comparison.runs import RunStore
@@ -97,9 +99,11 @@ class Matrix:
     def searched(self, scenario: str, item: Entry, tune: bool
                  ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
         """The row's search on the tuning seed, each configuration with its cell (None while
-        missing): the learning-rate stage, then, once it is complete, the method's settings
-        at the stage's best learning rate. ``tune``: run the missing cells. A scenario
-        ``searched_on`` another has its row's search there."""
+        missing): the learning-rate stage, its steps past the grid while its best rate is an
+        end of those tried (``next_learning_rate``), then, once they are complete, the
+        method's settings at the best rate, as many as the steps left of the budget.
+        ``tune``: run the missing cells. A scenario ``searched_on`` another has its row's
+        search there."""
         if (other := SCENARIOS[scenario].searched_on) is not None:
             return self.searched(other, item, tune)
 
@@ -107,11 +111,14 @@ class Matrix:
             return [(c, self.cell(scenario, item, "tune", c, protocol.TUNING_SEED,
                                   may_run=tune)) for c in configs]
 
-        first = cells(learning_rate_stage())
-        if any(r is None for _, r in first):
-            return first
-        lr = choose(first)["lr"]
-        return first + cells(settings_stage(item.method, lr))
+        rates = cells(learning_rate_stage())
+        while all(r is not None for _, r in rates) and (step := next_learning_rate(
+                choose(rates)["lr"], [c["lr"] for c, _ in rates])) is not None:
+            rates += cells([{"lr": step}])
+        if any(r is None for _, r in rates):
+            return rates
+        left = len(learning_rate_stage()) + protocol.EXTRA_CONFIGS - len(rates)
+        return rates + cells(settings_stage(item.method, choose(rates)["lr"], left))
 
     def tuned(self, scenario: str, item: Entry, tune: bool) -> tuple[dict[str, Any], bool]:
         """The configuration to report and whether the whole search ran for it: the best of
@@ -139,22 +146,47 @@ class Matrix:
         raise AssertionError("unreachable")
 
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
-        """The ablation's cells on the report seeds, at the rounds its row reports (none
-        before its row is tuned)."""
+        """The ablation's cells on the report seeds, at the rounds its row reports: none
+        before its row is tuned and has every report seed at those rounds (a length its row
+        may still double past is not its length), nor where the change is already the row's
+        configuration (``redundant``)."""
         [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
         config, tuned = self.reported(ablation.scenario, item)
-        if not tuned:
+        reported = [self.cell(ablation.scenario, item, "report", config, seed, may_run=False)
+                    for seed in protocol.REPORT_SEEDS]
+        why = ("not tuned yet" if not tuned
+               else "its report seeds have not all run" if None in reported
+               else "the row's configuration already has this change: its own cells answer "
+                    "the question" if self.unchanged(ablation.scenario, item, config,
+                                                     ablation.change)
+               else "")
+        if why:
             if may_run:  # asked to run it: say why nothing ran
-                print(f"{ablation.scenario}/{ablation.label}: not tuned yet, no ablation",
-                      file=sys.stderr)
+                print(f"{ablation.scenario}/{ablation.label} {config_tag(ablation.change)}: "
+                      f"{why}; no ablation", file=sys.stderr)
             return []
         # and the extra seeds its row ran for an undecided claim (its reference, FedFac's
         # random split, is paired seed by seed)
         extra = [seed for seed in protocol.EXTRA_SEEDS if self.cell(
             ablation.scenario, item, "report", config, seed, may_run=False) is not None]
         return [c for seed in (*protocol.REPORT_SEEDS, *extra) if (c := self.cell(
-            ablation.scenario, item, "ablation", {**config, **ablation.change}, seed,
+            ablation.scenario, item, "ablation", with_change(config, ablation.change), seed,
             may_run=may_run)) is not None]
+
+    def unchanged(self, scenario: str, item: Entry, config: dict[str, Any],
+                  change: dict[str, Any]) -> bool:
+        """Whether ``change`` leaves the run of ``config`` as it is (pFedC's MGDA-UB turned off
+        where its search chose it off): every resolved key the same."""
+        def resolved(c: dict[str, Any]) -> dict[str, Any]:
+            return self.store.resolved(self.run_config(scenario, item, "report", c, 0,
+                                                       self.out))
+        return resolved(with_change(config, change)) == resolved(config)
+
+    def redundant(self, ablation: Ablation) -> bool:
+        """Whether the ablation's change is already its tuned row's configuration."""
+        [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
+        config, tuned = self.reported(ablation.scenario, item)
+        return tuned and self.unchanged(ablation.scenario, item, config, ablation.change)
 
     def privacy(self, entry: Ablation, may_run: bool = True
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -192,10 +224,16 @@ def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
 
 def run(matrix: Matrix, chosen: list[tuple[str, Entry]], stage: str) -> None:
     """Row by row, in the order given: its tuning runs, then its report seeds, with more
-    rounds until it converges (so a stop leaves whole rows behind)."""
+    rounds until it converges (so a stop leaves whole rows behind). A row whose search did
+    not complete (a tuning run failed) runs no report seed on ``all``: they would run its
+    defaults, which ``report`` alone is for."""
     for scenario, item in chosen:
         if stage in ("tune", "all"):
-            matrix.tuned(scenario, item, tune=True)
+            _, tuned = matrix.tuned(scenario, item, tune=True)
+            if not tuned:
+                print(f"{scenario}/{item.label}: its search did not complete (a tuning run "
+                      "failed: above); no report seeds", file=sys.stderr)
+                continue
         if stage in ("report", "all"):
             matrix.reported(scenario, item, may_run=True)
 

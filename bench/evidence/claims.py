@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
-from bench.evidence.stats import report_seeds_stats
+from bench.evidence.stats import flag, report_seeds_stats
 from comparison.stats import accuracy_difference, config_tag, judge_difference
 
 BEST_BASELINE = BASELINES
@@ -135,7 +135,7 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
                               "verdict": "not measured", "superiority": "not measured",
                               "paper_effect": claim.paper_effect,
                               "paper_source": claim.paper_source,
-                              "paper_effect_excluded": False}
+                              "paper_effect_excluded": False, "not_converged": []}
     if claim.same_size_random_split:
         found = (ablated or {}).get((claim.scenario, claim.method,
                                      config_tag(SAME_SIZE_RANDOM_SPLIT)))
@@ -151,7 +151,7 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
         else:
             label, best = max(candidates,
                               key=lambda lr: report_seeds_stats(lr[1], claim.figure)[0])
-            reference = {"label": label, "per_seed": best["per_seed"]}
+            reference = {"label": label, "per_seed": best["per_seed"], "row": best}
     if (not complete(row) or reference is None
             or not (has_figure(row) and has_figure(reference))):
         return record
@@ -165,7 +165,11 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
                   superiority=("did not hold" if diff["ci95"] is None
                                else judged["superiority"]),
                   paper_effect_excluded=(claim.paper_effect is not None
-                                         and not low <= claim.paper_effect <= high))
+                                         and not low <= claim.paper_effect <= high),
+                  # a random split runs at its row's rounds: the row's convergence is its
+                  not_converged=[label for label, r in ((claim.method, row),
+                                                        (reference["label"], reference.get("row")))
+                                 if r is not None and flag(r)])
     if claim.max_uplink_share is not None:
         fedavg = rows.get("fedavg")
         if not complete(fedavg):
@@ -218,8 +222,10 @@ def claim_line(record: dict[str, Any]) -> str:
                 if high < record["paper_effect"]
                 else "better here than the paper reports: the interval lies above it")
         paper = f"paper {100 * record['paper_effect']:+.1f} ({record['paper_source']}): {side}"
+    unconverged = (f"; ⚑ not converged: {', '.join(record['not_converged'])} (below)"
+                   if record["not_converged"] else "")
     return (f"- {record['claim']}: **{record['verdict']}** (against {record['reference']}"
             f"{figure}: {100 * record['mean_diff']:+.1f} points, 95% interval "
             f"[{100 * low:+.1f}, {100 * high:+.1f}] over {len(record['paired_diffs'])} seeds, "
             f"{record['interval']} {100 * record['margin']:+.0f}{uplink}; better at all: "
-            f"{record['superiority']}; {paper})")
+            f"{record['superiority']}; {paper}{unconverged})")

@@ -46,9 +46,18 @@ BASELINES = ("fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn", "fedavg-
 # example is kept back for it), from the tuning pool.
 TUNING: dict[str, Any] = {"test-fraction": 0.01, "validation-fraction": 0.5}
 # Log-spaced over two and a half decades, for every row, baseline or paper method: wide
-# enough that no row's choice lies at an end of it.
+# enough that a row's choice should lie inside it (what follows handles one that does not).
 LR_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 EXTRA_CONFIGS = 4   # every row's further configurations, at its best learning rate
+# Where a row's best rate is nevertheless an end of the rates it tried, its search goes one
+# step of the grid's spacing further past that end, and again while its best is the new end,
+# at most MAX_LR_STEPS times. Each step takes the place of one of its EXTRA_CONFIGS (its last
+# ones), so that every row still tries len(LR_GRID) + EXTRA_CONFIGS configurations: a rate
+# inside the search matters more than a setting tried at a rate that is not. Written down
+# before the four scenarios after Dirichlet 0.1 were searched (no row there chose an end).
+LR_BELOW = (0.0003, 0.0001)
+LR_ABOVE = (1.0, 3.0)
+MAX_LR_STEPS = 2
 # What a row without (enough) settings of its own searches instead: the knobs every method has
 COMMON_KNOBS: list[dict[str, Any]] = [{"local-epochs": 2}, {"local-epochs": 10},
                                       {"weight-decay": 1e-4}, {"weight-decay": 1e-3}]
@@ -258,6 +267,14 @@ PRIVACY = [Ablation(scenario, label, privacy_change(z), f"local DP, noise multip
            for z in NOISE_MULTIPLIERS]
 
 
+def with_change(config: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """A row's configuration with an ablation's change: every key the change sets replaces
+    the row's, a key it sets through a shorthand too (``feddecomp.rank`` replaces a tuned
+    ``feddecomp.rank-conv``, which ``expand`` would otherwise keep)."""
+    shadowed = set(expand(change)) - set(change)
+    return {**{k: v for k, v in config.items() if k not in shadowed}, **change}
+
+
 def expand(config: dict[str, Any]) -> dict[str, Any]:
     """Run-config overrides of a tuning configuration (``feddecomp.rank`` sets both ranks)."""
     out = {k: v for k, v in config.items() if k != "feddecomp.rank"}
@@ -283,10 +300,26 @@ def learning_rate_stage() -> list[dict[str, Any]]:
     return [{"lr": lr} for lr in LR_GRID]
 
 
-def settings_stage(method: str, lr: float) -> list[dict[str, Any]]:
-    """The second stage, ``EXTRA_CONFIGS`` configurations at the row's best learning rate: the
-    method's own settings (``SETTINGS``), then the common knobs (``COMMON_KNOBS``)."""
-    changes = [*SETTINGS.get(method, []), *COMMON_KNOBS][:EXTRA_CONFIGS]
+def next_learning_rate(best: float, tried: list[float]) -> float | None:
+    """The rate a row's search tries next, given its best so far and the rates it tried: one
+    step past the end of them its best is at (``LR_BELOW``, ``LR_ABOVE``); None when its best
+    lies inside them or it took ``MAX_LR_STEPS`` steps."""
+    below = [lr for lr in tried if lr < LR_GRID[0]]
+    above = [lr for lr in tried if lr > LR_GRID[-1]]
+    if len(below) + len(above) >= MAX_LR_STEPS:
+        return None
+    if best == min(tried):
+        return LR_BELOW[len(below)]
+    if best == max(tried):
+        return LR_ABOVE[len(above)]
+    return None
+
+
+def settings_stage(method: str, lr: float, count: int = EXTRA_CONFIGS) -> list[dict[str, Any]]:
+    """The second stage, ``count`` configurations at the row's best learning rate (all
+    ``EXTRA_CONFIGS`` unless its rate took steps past the grid): the method's own settings
+    (``SETTINGS``), then the common knobs (``COMMON_KNOBS``)."""
+    changes = [*SETTINGS.get(method, []), *COMMON_KNOBS][:count]
     return [{"lr": lr, **change} for change in changes]
 
 

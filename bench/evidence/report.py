@@ -84,6 +84,7 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                 "fraction_train": config.get("fraction-train", 1.0),
                 "rounds": r["num_rounds"],
                 "lr_grid": sorted({c["lr"] for c in r["grid"]}), "grid": r["grid"],
+                "lr_at_grid_end": lr_at_grid_end(r),
                 "diverged": r["diverged"],
                 "chosen": r["chosen"], "tuned": r["tuned"],
                 "searched_on": SCENARIOS[scenario].searched_on or scenario,
@@ -111,6 +112,9 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                          "converged_slope": protocol.CONVERGED_SLOPE,
                          "max_doublings": protocol.MAX_DOUBLINGS,
                          "lr_grid": list(protocol.LR_GRID),
+                         "lr_steps_past_the_grid": {"below": list(protocol.LR_BELOW),
+                                                    "above": list(protocol.LR_ABOVE),
+                                                    "at_most": protocol.MAX_LR_STEPS},
                          "extra_configs": protocol.EXTRA_CONFIGS,
                          "common_knobs": protocol.COMMON_KNOBS,
                          "settings": protocol.SETTINGS,
@@ -121,12 +125,24 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
             "rows": rows, "claims": judged}
 
 
-def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]]) -> str:
+def lr_at_grid_end(row: dict[str, Any]) -> bool:
+    """Whether a tuned row's chosen learning rate is the smallest or largest it searched
+    (after its steps past the grid: ``protocol.next_learning_rate``)."""
+    rates = [c["lr"] for c in row["grid"]]
+    return row["tuned"] and row["chosen"]["lr"] in (min(rates), max(rates))
+
+
+def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
+                   redundant: list[protocol.Ablation]) -> str:
     """Each ablation against its row, both on the report seeds: the paired difference and its
-    95% interval, as a claim is judged."""
+    95% interval, as a claim is judged; and those not run because the row's tuned
+    configuration already has their change."""
     lines = ["| row | change | question | seeds | acc, last 5 rounds (mean ± std) | min client | "
              "row's acc | difference (points) [95% interval] |",
              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {a.scenario}/{a.label} | {config_tag(a.change)} | {a.question} | - | not run: "
+              "the row's tuned configuration already has this change | | | |"
+              for a in redundant]
     for result in ablated.values():
         ablation, row = result["ablation"], result["row"]
         mean, std = result["accuracy"]
@@ -218,7 +234,10 @@ def write_report(matrix: Matrix, command: str) -> str:
         f"(the papers' values) at each learning rate of {list(protocol.LR_GRID)}, then, at "
         f"the best one, {protocol.EXTRA_CONFIGS} more configurations: the method's own "
         "settings (`SETTINGS` in `bench/evidence/protocol.py`), then the common knobs "
-        f"{protocol.COMMON_KNOBS}. A tuning run holds "
+        f"{protocol.COMMON_KNOBS}; a row whose best rate is an end of those it tried first "
+        f"tries the next rate past it ({list(protocol.LR_BELOW)} below, "
+        f"{list(protocol.LR_ABOVE)} above), at most {protocol.MAX_LR_STEPS} times, each in "
+        "place of one of its further configurations. A tuning run holds "
         f"{protocol.TUNING['validation-fraction']:.0%} of each client's training share out as "
         "its validation split and is scored on it: the configuration with the best mean of "
         "its last 5 rounds of validation accuracy is reported, on seeds "
@@ -255,7 +274,13 @@ def write_report(matrix: Matrix, command: str) -> str:
     if flagged:
         parts += ["## Rows that had not converged\n\nA claim on such a row rests on a figure "
                   "that may still move.\n\n", "\n".join(flagged), "\n\n"]
-    ablations = ablation_table(ablated)
+    at_end = [f"- {s}/{label}: lr {r['chosen']['lr']} of {sorted({c['lr'] for c in r['grid']})}"
+              for s, rows in stats.items() for label, r in rows.items() if lr_at_grid_end(r)]
+    if at_end:
+        parts += ["## Rows whose learning rate is an end of their search\n\nEven after "
+                  f"{protocol.MAX_LR_STEPS} steps past the grid: a wider search could still "
+                  "move their figure.\n\n", "\n".join(at_end), "\n\n"]
+    ablations = ablation_table(ablated, [a for a in protocol.ABLATIONS if matrix.redundant(a)])
     if ablations:
         parts += ["## Ablations\n\nA row's tuned configuration with one change, on the same "
                   "report seeds: why a claim did not hold, or the reference a claim is judged "
