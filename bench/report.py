@@ -3,6 +3,7 @@ that produced it, body."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from pathlib import Path
 
@@ -21,6 +22,28 @@ def produced_by(*paths: str) -> str:
         return _git("describe", "--always", "--abbrev=7") + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
+
+
+def numerics() -> str:
+    """What a run's numbers depend on besides the code, its configuration and its seed: the
+    CPU (its model, and the kernels PyTorch picks for it) and the versions of the numerical
+    packages the project does not pin exactly. A run is repeatable bit for bit where these
+    are the same; on another CPU it is not (``bench/README.md``, reproducibility)."""
+    import numpy
+    import scipy
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                  if line.startswith("model name")), platform.processor() or "CPU")
+    return (f"{model}, PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}"
+            f" kernels), numpy {numpy.__version__}, scipy {scipy.__version__}")
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: platform.processor() names it
+        return ""
 
 
 def _git(*args: str) -> str:

@@ -1,9 +1,11 @@
 """Does today's code reproduce the evidence matrix's stored cells? One stored report cell per
-method (Dirichlet 0.1, seed 1, its stored configuration) runs again with its stored run config,
-and its per-round accuracy and uplink are compared with the stored ones, exactly.
+method (Dirichlet 0.1 unless ``--scenario`` names another, seed 1, its stored configuration)
+runs again with its stored run config, and its per-round accuracy and uplink are compared
+with the stored ones, exactly.
 
     python bench/reproduce.py                    # every method of the Dirichlet 0.1 scenario
     python bench/reproduce.py --only fedavg,fedfac
+    python bench/reproduce.py --scenario pathological-2 --only local
 
 Run it before and after a change that should not change behaviour (a refactoring); the table
 goes to ``bench/results/reproduce.md``.
@@ -18,17 +20,16 @@ from pathlib import Path
 
 from bench.evidence.cells import Matrix
 from bench.evidence.protocol import COMMON, SCENARIOS, cell_path, pool_file
-from bench.report import RESULTS, write_report
+from bench.report import RESULTS, numerics, write_report
 from launch.federation import warm_federation
 
-SCENARIO = "dirichlet-0.1"
 SEED = 1
 COMPARED = ("accuracy_per_round", "mb_up_per_round", "accuracy_weighted", "mb_up_total")
 
 
-def stored_config(label: str) -> dict | None:
+def stored_config(scenario: str, label: str) -> dict | None:
     """The configuration of the stored report cell of ``label`` (seed ``SEED``), if any."""
-    folder = cell_path(RESULTS, SCENARIO, label, "report", {}, SEED).parent
+    folder = cell_path(RESULTS, scenario, label, "report", {}, SEED).parent
     found = sorted(folder.glob(f"report-*-seed{SEED}.json"))
     return json.loads(found[0].read_text())["config"] if found else None
 
@@ -40,33 +41,42 @@ def shown(cell: dict | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", default="dirichlet-0.1", choices=list(SCENARIOS))
     parser.add_argument("--only", default="", help="comma-separated labels (default: all)")
     parser.add_argument("--out", default="", help="keep the re-run cells here (default: a "
                         "temporary folder); a cell already there is not run again")
     args = parser.parse_args()
-    entries = [e for e in SCENARIOS[SCENARIO].entries
+    scenario = args.scenario
+    entries = [e for e in SCENARIOS[scenario].entries
                if not args.only or e.label in args.only.split(",")]
     common = {**COMMON, "dataset": str(pool_file())}
     stored_matrix = Matrix(None, common)
-    lines = ["| row | configuration | stored | re-run | identical |", "|---|---|---|---|---|"]
+    lines = ["| row | configuration | stored | stored on | re-run | identical |",
+             "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp, warm_federation() as federation:
         fresh_matrix = Matrix(federation, common, out=Path(args.out or tmp))
         for item in entries:
-            config = stored_config(item.label)
+            config = stored_config(scenario, item.label)
             if config is None:
                 continue
-            stored = stored_matrix.cell(SCENARIO, item, "report", config, SEED, may_run=False)
-            fresh = fresh_matrix.cell(SCENARIO, item, "report", config, SEED)
+            stored = stored_matrix.cell(scenario, item, "report", config, SEED, may_run=False)
+            fresh = fresh_matrix.cell(scenario, item, "report", config, SEED)
             same = (stored is not None and fresh is not None
                     and all(stored[k] == fresh[k] for k in COMPARED))
             lines.append(f"| {item.label} | {json.dumps(config)} | {shown(stored)} | "
+                         f"{(stored or {}).get('numerics', 'not recorded')} | "
                          f"{shown(fresh)} | {'yes' if same else 'NO'} |")
             print(lines[-1], flush=True)
-    body = (f"Scenario {SCENARIO}, seed {SEED}, the stored report cell of each row. "
-            "Identical: the per-round accuracy and uplink and the final ones are equal to the "
-            "last bit.\n\n" + "\n".join(lines) + "\n")
-    command = "python bench/reproduce.py" + (f" --only {args.only}" if args.only else "")
-    write_report("reproduce", "Stored matrix cells re-run", command, body)
+    body = (f"Scenario {scenario}, seed {SEED}, the stored report cell of each row, re-run on "
+            f"{numerics()}. Identical: the per-round accuracy and uplink and the final ones are "
+            "equal to the last bit; a cell stored on another CPU (its `numerics`, where it "
+            "recorded them) is not expected to be (`bench/README.md`, reproducibility).\n\n"
+            + "\n".join(lines) + "\n")
+    command = "python bench/reproduce.py" + "".join(
+        f" --{k} {v}" for k, v in (("scenario", scenario), ("only", args.only))
+        if v and v != parser.get_default(k))
+    name = "reproduce" if scenario == parser.get_default("scenario") else f"reproduce-{scenario}"
+    write_report(name, "Stored matrix cells re-run", command, body)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
@@ -172,6 +173,9 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
         assert cell["accuracy_weighted"] == results["final"]["accuracy_weighted"]
         assert cell["run_config"]["num-server-rounds"] == 2 and len(cell["rounds"]) == 2
         assert cell["commit"].removesuffix("-dirty") == head  # which code produced it
+        # and on what: another CPU moves a run beyond its last bits
+        assert f"PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()} " \
+            "kernels), numpy " in cell["numerics"]
 
     # resumed: nothing is run again
     run(Matrix(federation, common, tmp_path, num_clients=3), chosen, "report")

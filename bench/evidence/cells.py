@@ -20,7 +20,7 @@ from bench.evidence.protocol import (
     settings_stage,
     with_change,
 )
-from bench.report import RESULTS, produced_by
+from bench.report import RESULTS, numerics, produced_by
 from comparison.runs import RunStore
 from comparison.stats import choose, config_tag, slope
 from launch.app_project import app_defaults, app_packages
@@ -94,7 +94,8 @@ class Matrix:
 
     def _stamp(self) -> dict[str, Any]:
         return {"commit": produced_by("pyproject.toml", *app_packages()),
-                "machine": f"{os.cpu_count()} CPU cores, device {self.device}"}
+                "machine": f"{os.cpu_count()} CPU cores, device {self.device}",
+                "numerics": numerics()}
 
     def searched(self, scenario: str, item: Entry, tune: bool
                  ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:

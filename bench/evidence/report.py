@@ -211,11 +211,12 @@ def write_report(matrix: Matrix, command: str) -> str:
     """report.md, summary.json and the plots, from the cells present."""
     stats, ablated, judged_claims = judged(matrix)
     out = matrix.out
-    cells = sorted((out / "matrix" / cells_folder(matrix.device)).rglob("*.json"))
-    commits = collections.Counter(json.loads(c.read_text()).get("commit", "not recorded")
-                                  for c in cells)
-    wall = sum(json.loads(c.read_text()).get("wall_seconds", 0.0) for c in cells)
-    machines = sorted({json.loads(c.read_text()).get("machine", "not recorded") for c in cells})
+    cells = [json.loads(c.read_text())
+             for c in sorted((out / "matrix" / cells_folder(matrix.device)).rglob("*.json"))]
+    commits = collections.Counter(c.get("commit", "not recorded") for c in cells)
+    wall = sum(c.get("wall_seconds", 0.0) for c in cells)
+    machines = sorted({c.get("machine", "not recorded") for c in cells})
+    numerics = collections.Counter(c.get("numerics", "not recorded") for c in cells)
     shared = ", ".join(f"`{k}={v}`" for k, v in matrix.common.items()
                        if k not in ("dataset", "plot"))
     parts = [
@@ -225,7 +226,10 @@ def write_report(matrix: Matrix, command: str) -> str:
         f"(`matrix/{cells_folder(matrix.device)}/`, one JSON per run: {len(cells)} stored, "
         f"{wall / 3600:.1f} h of runs, start-up included, on {'; '.join(machines) or '-'}; "
         "the code that ran them: "
-        + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "). "
+        + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "; the CPU and "
+        "numerical packages they ran on, which move a run beyond its last bits (`bench/README"
+        ".md`, reproducibility): " + ", ".join(f"{m} {n}" for m, n in sorted(numerics.items()))
+        + "). "
         f"Protocol: two pools of {POOL_SIZE} Fashion-MNIST training images from the real IDX "
         "files, disjoint: the report pool (drawn with seed 0), which every reported figure "
         "is computed on, and the tuning pool (drawn from the other 55,000), which every "
