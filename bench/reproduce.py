@@ -7,8 +7,11 @@ with the stored ones, exactly.
     python bench/reproduce.py --only fedavg,fedfac
     python bench/reproduce.py --scenario pathological-2 --only local
 
-Run it before and after a change that should not change behaviour (a refactoring); the table
-goes to ``bench/results/reproduce.md``.
+A row's cell is the first of its stored seed-1 report cells in name order (a doubled length's
+name, ``...+num-server-rounds=320-seed1``, sorts before its base length's). Run it before and
+after a change that should not change behaviour (a refactoring), on one machine (another CPU
+gives other last bits: ``bench/README.md``); the table goes to ``bench/results/reproduce.md``,
+``reproduce-<scenario>.md`` for another scenario.
 """
 
 from __future__ import annotations

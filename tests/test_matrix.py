@@ -286,4 +286,3 @@ def test_a_cell_is_stale_when_a_default_its_method_ran_under_changed(tmp_path):
                           ("/data/bench/pool.npz", False), ("pool.npz", False)):
         home.common = {**COMMON_DIGITS, "dataset": dataset}
         assert stored(home, "fedavg") is same, dataset
-

@@ -51,8 +51,8 @@ def test_an_ablation_waits_for_its_rows_report_seeds_and_skips_a_change_the_row_
     probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "")
     _report(offline, item, tuned, protocol.REPORT_SEEDS[:-1])
     assert offline.ablation(probe) == []
-    assert ("dirichlet-0.1/fedavg lr=0.5: its report seeds have not all run; no ablation"
-            in capsys.readouterr().err)
+    assert ("dirichlet-0.1/fedavg lr=0.5: its rounds are not settled (a report seed is "
+            "missing); no ablation" in capsys.readouterr().err)
     _report(offline, item, tuned, protocol.REPORT_SEEDS[-1:])
     same = [protocol.Ablation(SCENARIO, "fedavg", change, "")
             for change in ({"lr": tuned["lr"]}, {"local-epochs": COMMON_DIGITS["local-epochs"]})]
@@ -86,6 +86,41 @@ def test_a_row_whose_search_failed_runs_no_report_seed_on_its_defaults(tmp_path,
     run(matrix, row, "report")  # asked for: its defaults, each report seed
     assert federation.asked[len(protocol.LR_GRID):] == [
         f"report-defaults-seed{seed}" for seed in protocol.REPORT_SEEDS]
+
+
+def test_an_ablation_runs_at_the_last_doubling_even_with_a_seed_missing_there(tmp_path):
+    """A report seed that fails there every time cannot hold its ablations back: no more
+    doubling can follow."""
+    offline, item, tuned = _tuned_fedavg(tmp_path)
+    rounds = COMMON_DIGITS["num-server-rounds"]
+    for doubling in range(protocol.MAX_DOUBLINGS):  # rising at each length: doubled twice
+        length = tuned if doubling == 0 else {**tuned, "num-server-rounds": rounds << doubling}
+        _report(offline, item, length, protocol.REPORT_SEEDS, rising=0.05)
+    last = {**tuned, "num-server-rounds": rounds << protocol.MAX_DOUBLINGS}
+    _report(offline, item, last, protocol.REPORT_SEEDS[:-1])
+    assert offline.report_length(SCENARIO, item) == (last, True, True)
+    probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "")
+    _report(offline, item, {**last, "lr": 0.5}, protocol.REPORT_SEEDS, stage="ablation")
+    assert len(offline.ablation(probe, may_run=False)) == len(protocol.REPORT_SEEDS)
+
+
+def test_an_ablations_shorthand_rank_replaces_the_rank_its_row_chose(tmp_path):
+    """FedDecomp's row chose a conv rank of 0.3; ``feddecomp.rank = 1.0`` is full rank in
+    every layer: the cell it reads is the one stored under the row's rate and that rank."""
+    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+    item = next(e for e in SCENARIOS[SCENARIO].entries if e.label == "feddecomp")
+    best = {"lr": 0.03, "feddecomp.rank-conv": 0.3}
+    grid = protocol.learning_rate_stage() + protocol.settings_stage("feddecomp", 0.03)
+    for config in grid:
+        _store(offline, SCENARIO, item, config,
+               [0.9 if config == best else 0.5 if config == {"lr": 0.03} else 0.1] * 2)
+    _report(offline, item, best, protocol.REPORT_SEEDS)
+    full = {"lr": 0.03, "feddecomp.rank": 1.0}
+    _report(offline, item, full, protocol.REPORT_SEEDS, stage="ablation")
+    probe = protocol.Ablation(SCENARIO, "feddecomp", {"feddecomp.rank": 1.0}, "")
+    cells = offline.ablation(probe, may_run=False)
+    assert [c["config"] for c in cells] == [full] * len(protocol.REPORT_SEEDS)
+    assert all(c["run_config"]["feddecomp.rank-conv"] == 1.0 for c in cells)
 
 
 def test_a_privacy_level_runs_at_the_scenarios_rounds_even_where_the_row_doubled_them(

@@ -173,6 +173,8 @@ def test_a_claim_names_its_row_or_reference_that_had_not_converged():
     stats["dirichlet-0.1"]["fedavg"] = _row(base)
     judged = {c["claim"]: c for c in claims(stats)}[claim]
     assert judged["not_converged"] == [] and "⚑" not in claim_line(judged)
+    stats["dirichlet-0.1"]["feddecomp"] = _row([b + 0.06 for b in base], slopes=rising)
+    assert {c["claim"]: c for c in claims(stats)}[claim]["not_converged"] == ["feddecomp"]
 
 
 def test_a_task_accuracy_claim_is_judged_against_the_best_reference_on_task_accuracy():

@@ -4,10 +4,12 @@ of it, the best rate then the best setting by the last rounds, the papers' range
 
 from __future__ import annotations
 
+import json
+
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import lr_at_grid_end
+from bench.evidence.report import lr_at_grid_end, write_report
 from bench.evidence.stats import row_stats
 from tests.test_matrix import COMMON_DIGITS, _store
 
@@ -36,8 +38,8 @@ def test_every_row_searches_the_same_learning_rates_and_the_same_extra_budget(tm
         {"lr": 0.03, **knob} for knob in protocol.COMMON_KNOBS]
     assert protocol.settings_stage("fedrep", 0.03)[-1] == {"lr": 0.03,
                                                            **protocol.COMMON_KNOBS[0]}
-    # no row's choice can lie at an end of the grid unless the grid's ends are tried: it
-    # spans two and a half decades
+    # a grid of two and a half decades, so that a row's choice should lie inside it (one at
+    # an end steps past it: the next test)
     assert protocol.LR_GRID[-1] / protocol.LR_GRID[0] >= 100
 
 
@@ -80,6 +82,15 @@ def test_a_best_rate_at_an_end_of_the_grid_steps_past_it_within_the_same_budget(
     assert len(inside["grid"]) == len(at_end["grid"]) == 10
     # no third step: the row is named as still at an end of its search
     assert not lr_at_grid_end(inside) and lr_at_grid_end(at_end)
+    report = write_report(low, "python bench/matrix.py")
+    assert ("## Rows whose learning rate is an end of their search" in report
+            and "- dirichlet-0.1/fedavg: lr 0.0001 of [0.0001, 0.0003, 0.001," in report)
+    summary = json.loads((tmp_path / "low" / "matrix" / "summary.json").read_text())
+    assert summary["rows"]["dirichlet-0.1/fedavg"]["lr_at_grid_end"] is True
+    assert summary["protocol"]["lr_steps_past_the_grid"] == {
+        "below": [0.0003, 0.0001], "above": [1.0, 3.0], "at_most": 2}
+    # the report counts its cells by the CPU and packages they ran on: these record none
+    assert "reproducibility): not recorded 15)" in report
 
 
 def test_the_paper_methods_search_the_ranges_their_papers_report():
@@ -138,3 +149,23 @@ def test_the_tuned_rank_sets_both_ranks_and_a_rank_an_ablation_names_wins():
     changed = protocol.with_change({"feddecomp.rank": 0.25}, {"feddecomp.rank-conv": 1.0})
     assert protocol.expand(changed) == {"feddecomp.rank-conv": 1.0,
                                         "feddecomp.rank-linear": 0.25}
+
+
+def test_a_grid_where_every_rate_diverged_steps_below_it(tmp_path):
+    """The widening ``choose`` asks for when nothing finished, instead of its error."""
+    offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
+    item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "fedavg")
+
+    def diverged(lr: float) -> None:
+        _store(offline, "dirichlet-0.1", item, {"lr": lr}, [])
+        path = protocol.cell_path(tmp_path, "dirichlet-0.1", "fedavg", "tune", {"lr": lr}, 0)
+        cell = json.loads(path.read_text())
+        path.write_text(json.dumps({**cell, "status": "diverged", "reason": "round 3: ..."}))
+
+    for lr in protocol.LR_GRID:
+        diverged(lr)
+    searched = [c for c, _ in offline.searched("dirichlet-0.1", item, tune=False)]
+    assert searched[len(protocol.LR_GRID):] == [{"lr": 0.0003}]
+    _store(offline, "dirichlet-0.1", item, {"lr": 0.0003}, [0.5] * 2)  # the best: an end
+    searched = [c for c, _ in offline.searched("dirichlet-0.1", item, tune=False)]
+    assert searched[len(protocol.LR_GRID):] == [{"lr": 0.0003}, {"lr": 0.0001}]

@@ -65,8 +65,7 @@ class Matrix:
         every setting of its method, defaults and the row's fixed ones included (what
         ``summary.json`` lists; so a row whose rounds were doubled has a ``chosen`` that is
         not an entry of its ``grid``)."""
-        resolved = self.store.resolved(self.run_config(scenario, item, "report", config, 0,
-                                                       self.out))
+        resolved = self._resolved(scenario, item, config)
         return {k: v for k, v in resolved.items()
                 if k == "lr" or k.startswith(f"{item.method}.") or k in expand(config)}
 
@@ -112,9 +111,13 @@ class Matrix:
             return [(c, self.cell(scenario, item, "tune", c, protocol.TUNING_SEED,
                                   may_run=tune)) for c in configs]
 
+        def best(tried: list[tuple[dict[str, Any], Any]]) -> float | None:
+            finished = [pair for pair in tried if pair[1].get("status") != "diverged"]
+            return choose(finished)["lr"] if finished else None
+
         rates = cells(learning_rate_stage())
         while all(r is not None for _, r in rates) and (step := next_learning_rate(
-                choose(rates)["lr"], [c["lr"] for c, _ in rates])) is not None:
+                best(rates), [c["lr"] for c, _ in rates])) is not None:
             rates += cells([{"lr": step}])
         if any(r is None for _, r in rates):
             return rates
@@ -133,30 +136,37 @@ class Matrix:
         one at the scenario's rounds, with ``num-server-rounds`` doubled while its report
         seeds have not converged (``protocol.converged``), at most ``MAX_DOUBLINGS`` times.
         ``may_run``: run each length's missing report seeds on the way."""
+        config, tuned, _ = self.report_length(scenario, item, may_run)
+        return config, tuned
+
+    def report_length(self, scenario: str, item: Entry, may_run: bool = False
+                      ) -> tuple[dict[str, Any], bool, bool]:
+        """``reported``'s two, and whether the length is settled: its report seeds converged
+        there, or it is the last doubling (a missing seed at an earlier length may still
+        double it)."""
         config, tuned = self.tuned(scenario, item, tune=False)
-        rounds = self.run_config(scenario, item, "report", config, 0, self.out)[
-            "num-server-rounds"]
+        rounds = self._resolved(scenario, item, config)["num-server-rounds"]
         for doubling in range(protocol.MAX_DOUBLINGS + 1):
             current = config if doubling == 0 else {**config, "num-server-rounds": rounds}
             cells = [self.cell(scenario, item, "report", current, seed, may_run=may_run)
                      for seed in protocol.REPORT_SEEDS]
-            if (doubling == protocol.MAX_DOUBLINGS or any(c is None for c in cells)
-                    or protocol.converged([slope(c["accuracy_per_round"]) for c in cells])):
-                return current, tuned
+            last = doubling == protocol.MAX_DOUBLINGS
+            converged = None not in cells and protocol.converged(
+                [slope(c["accuracy_per_round"]) for c in cells])
+            if last or converged or None in cells:
+                return current, tuned, last or converged
             rounds *= 2
         raise AssertionError("unreachable")
 
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
         """The ablation's cells on the report seeds, at the rounds its row reports: none
-        before its row is tuned and has every report seed at those rounds (a length its row
-        may still double past is not its length), nor where the change is already the row's
-        configuration (``redundant``)."""
+        before its row is tuned and that length is settled (``report_length``: a length its
+        row may still double past is not its length), nor where the change is already the
+        row's configuration (``redundant``)."""
         [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
-        config, tuned = self.reported(ablation.scenario, item)
-        reported = [self.cell(ablation.scenario, item, "report", config, seed, may_run=False)
-                    for seed in protocol.REPORT_SEEDS]
+        config, tuned, settled = self.report_length(ablation.scenario, item)
         why = ("not tuned yet" if not tuned
-               else "its report seeds have not all run" if None in reported
+               else "its rounds are not settled (a report seed is missing)" if not settled
                else "the row's configuration already has this change: its own cells answer "
                     "the question" if self.unchanged(ablation.scenario, item, config,
                                                      ablation.change)
@@ -178,10 +188,13 @@ class Matrix:
                   change: dict[str, Any]) -> bool:
         """Whether ``change`` leaves the run of ``config`` as it is (pFedC's MGDA-UB turned off
         where its search chose it off): every resolved key the same."""
-        def resolved(c: dict[str, Any]) -> dict[str, Any]:
-            return self.store.resolved(self.run_config(scenario, item, "report", c, 0,
-                                                       self.out))
-        return resolved(with_change(config, change)) == resolved(config)
+        return (self._resolved(scenario, item, with_change(config, change))
+                == self._resolved(scenario, item, config))
+
+    def _resolved(self, scenario: str, item: Entry, config: dict[str, Any]) -> dict[str, Any]:
+        """What a report run of ``config`` resolves to (the app's defaults under it)."""
+        return self.store.resolved(self.run_config(scenario, item, "report", config, 0,
+                                                   self.out))
 
     def redundant(self, ablation: Ablation) -> bool:
         """Whether the ablation's change is already its tuned row's configuration."""
@@ -199,9 +212,10 @@ class Matrix:
         config, tuned = self.tuned(entry.scenario, item, tune=False)
         if not tuned:
             return [], []
+        level = with_change(config, entry.change)
         private = [c for seed in protocol.REPORT_SEEDS
-                   if (c := self.cell(entry.scenario, item, "privacy", {**config, **entry.change},
-                                      seed, may_run=may_run)) is not None]
+                   if (c := self.cell(entry.scenario, item, "privacy", level, seed,
+                                      may_run=may_run)) is not None]
         clean = [c for seed in protocol.REPORT_SEEDS
                  if (c := self.cell(entry.scenario, item, "report", config, seed,
                                     may_run=False)) is not None]
@@ -233,7 +247,8 @@ def run(matrix: Matrix, chosen: list[tuple[str, Entry]], stage: str) -> None:
             _, tuned = matrix.tuned(scenario, item, tune=True)
             if not tuned:
                 print(f"{scenario}/{item.label}: its search did not complete (a tuning run "
-                      "failed: above); no report seeds", file=sys.stderr)
+                      "failed: above)" + ("; no report seeds" if stage == "all" else ""),
+                      file=sys.stderr)
                 continue
         if stage in ("report", "all"):
             matrix.reported(scenario, item, may_run=True)

@@ -1,6 +1,6 @@
 """The matrix's protocol: the data, the common settings, the scenarios and their rows, the
-search (one learning-rate grid for every row, then the same number of further configurations
-for every row), the ablations, and where a cell is stored.
+search (one learning-rate grid for every row, then further configurations up to the same
+number for every row), the ablations, and where a cell is stored.
 
 Selection never sees a reported image: a tuning run reads the tuning pool, 5,000 images
 disjoint from the report pool's, and is scored on validation splits carved from its
@@ -58,6 +58,7 @@ EXTRA_CONFIGS = 4   # every row's further configurations, at its best learning r
 LR_BELOW = (0.0003, 0.0001)
 LR_ABOVE = (1.0, 3.0)
 MAX_LR_STEPS = 2
+assert min(len(LR_BELOW), len(LR_ABOVE), EXTRA_CONFIGS) >= MAX_LR_STEPS  # a step per slot
 # What a row without (enough) settings of its own searches instead: the knobs every method has
 COMMON_KNOBS: list[dict[str, Any]] = [{"local-epochs": 2}, {"local-epochs": 10},
                                       {"weight-decay": 1e-4}, {"weight-decay": 1e-3}]
@@ -300,15 +301,18 @@ def learning_rate_stage() -> list[dict[str, Any]]:
     return [{"lr": lr} for lr in LR_GRID]
 
 
-def next_learning_rate(best: float, tried: list[float]) -> float | None:
+def next_learning_rate(best: float | None, tried: list[float]) -> float | None:
     """The rate a row's search tries next, given its best so far and the rates it tried: one
-    step past the end of them its best is at (``LR_BELOW``, ``LR_ABOVE``); None when its best
-    lies inside them or it took ``MAX_LR_STEPS`` steps."""
+    step past the end of them its best is at (``LR_BELOW``, ``LR_ABOVE``; below where ``best``
+    is None, every one diverged); None when its best lies inside them or it took
+    ``MAX_LR_STEPS`` steps."""
     below = [lr for lr in tried if lr < LR_GRID[0]]
     above = [lr for lr in tried if lr > LR_GRID[-1]]
     if len(below) + len(above) >= MAX_LR_STEPS:
         return None
-    if best == min(tried):
+    # (a tie goes to the first tried, the grid's smaller rate: a flat row at chance level may
+    # spend a step below; harmless, it still tries as many)
+    if best is None or best == min(tried):  # None: every rate tried diverged
         return LR_BELOW[len(below)]
     if best == max(tried):
         return LR_ABOVE[len(above)]

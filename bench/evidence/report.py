@@ -83,7 +83,7 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                 "method": r["method"], "num_clients": matrix.clients(scenario),
                 "fraction_train": config.get("fraction-train", 1.0),
                 "rounds": r["num_rounds"],
-                "lr_grid": sorted({c["lr"] for c in r["grid"]}), "grid": r["grid"],
+                "lr_grid": searched_rates(r), "grid": r["grid"],
                 "lr_at_grid_end": lr_at_grid_end(r),
                 "diverged": r["diverged"],
                 "chosen": r["chosen"], "tuned": r["tuned"],
@@ -125,11 +125,16 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
             "rows": rows, "claims": judged}
 
 
+def searched_rates(row: dict[str, Any]) -> list[float]:
+    """The learning rates a row's search tried, its steps past the grid included."""
+    return sorted({c["lr"] for c in row["grid"]})
+
+
 def lr_at_grid_end(row: dict[str, Any]) -> bool:
     """Whether a tuned row's chosen learning rate is the smallest or largest it searched
     (after its steps past the grid: ``protocol.next_learning_rate``)."""
-    rates = [c["lr"] for c in row["grid"]]
-    return row["tuned"] and row["chosen"]["lr"] in (min(rates), max(rates))
+    rates = searched_rates(row)
+    return row["tuned"] and row["chosen"]["lr"] in (rates[0], rates[-1])
 
 
 def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
@@ -278,7 +283,7 @@ def write_report(matrix: Matrix, command: str) -> str:
     if flagged:
         parts += ["## Rows that had not converged\n\nA claim on such a row rests on a figure "
                   "that may still move.\n\n", "\n".join(flagged), "\n\n"]
-    at_end = [f"- {s}/{label}: lr {r['chosen']['lr']} of {sorted({c['lr'] for c in r['grid']})}"
+    at_end = [f"- {s}/{label}: lr {r['chosen']['lr']} of {searched_rates(r)}"
               for s, rows in stats.items() for label, r in rows.items() if lr_at_grid_end(r)]
     if at_end:
         parts += ["## Rows whose learning rate is an end of their search\n\nEven after "
