@@ -56,6 +56,7 @@ def main() -> None:
     stored_matrix = Matrix(None, common)
     lines = ["| row | configuration | stored | stored on | re-run | identical |",
              "|---|---|---|---|---|---|"]
+    here = numerics()
     with tempfile.TemporaryDirectory() as tmp, warm_federation() as federation:
         fresh_matrix = Matrix(federation, common, out=Path(args.out or tmp))
         for item in entries:
@@ -66,12 +67,16 @@ def main() -> None:
             fresh = fresh_matrix.cell(scenario, item, "report", config, SEED)
             same = (stored is not None and fresh is not None
                     and all(stored[k] == fresh[k] for k in COMPARED))
+            stored_on = (stored or {}).get("numerics", "not recorded")
+            # NO only where the stored cell ran on what this re-run runs on: a regression
+            verdict = ("yes" if same else "NO" if stored_on == here
+                       else "no, as expected of another machine" if stored_on != "not recorded"
+                       else "no (where it was stored is not recorded)")
             lines.append(f"| {item.label} | {json.dumps(config)} | {shown(stored)} | "
-                         f"{(stored or {}).get('numerics', 'not recorded')} | "
-                         f"{shown(fresh)} | {'yes' if same else 'NO'} |")
+                         f"{stored_on} | {shown(fresh)} | {verdict} |")
             print(lines[-1], flush=True)
     body = (f"Scenario {scenario}, seed {SEED}, the stored report cell of each row, re-run on "
-            f"{numerics()}. Identical: the per-round accuracy and uplink and the final ones are "
+            f"{here}. Identical: the per-round accuracy and uplink and the final ones are "
             "equal to the last bit; a cell stored on another CPU (its `numerics`, where it "
             "recorded them) is not expected to be (`bench/README.md`, reproducibility).\n\n"
             + "\n".join(lines) + "\n")
