@@ -42,6 +42,18 @@ def shown(cell: dict | None) -> str:
                                      f"{cell['mb_up_total']:.3f} MB")
 
 
+def verdict(same: bool, stored_on: str, here: str) -> str:
+    """The table's last column: NO only where the stored cell ran on the CPU and packages the
+    re-run runs on (``numerics``), a regression; a cell from another machine, or one that
+    did not record where it ran, is not expected to be identical."""
+    if same:
+        return "yes"
+    if stored_on == here:
+        return "NO"
+    return ("no (where it was stored is not recorded)" if stored_on == "not recorded"
+            else "no, as expected of another machine")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default="dirichlet-0.1", choices=list(SCENARIOS))
@@ -68,12 +80,8 @@ def main() -> None:
             same = (stored is not None and fresh is not None
                     and all(stored[k] == fresh[k] for k in COMPARED))
             stored_on = (stored or {}).get("numerics", "not recorded")
-            # NO only where the stored cell ran on what this re-run runs on: a regression
-            verdict = ("yes" if same else "NO" if stored_on == here
-                       else "no, as expected of another machine" if stored_on != "not recorded"
-                       else "no (where it was stored is not recorded)")
             lines.append(f"| {item.label} | {json.dumps(config)} | {shown(stored)} | "
-                         f"{stored_on} | {shown(fresh)} | {verdict} |")
+                         f"{stored_on} | {shown(fresh)} | {verdict(same, stored_on, here)} |")
             print(lines[-1], flush=True)
     body = (f"Scenario {scenario}, seed {SEED}, the stored report cell of each row, re-run on "
             f"{here}. Identical: the per-round accuracy and uplink and the final ones are "

@@ -286,3 +286,14 @@ def test_a_cell_is_stale_when_a_default_its_method_ran_under_changed(tmp_path):
                           ("/data/bench/pool.npz", False), ("pool.npz", False)):
         home.common = {**COMMON_DIGITS, "dataset": dataset}
         assert stored(home, "fedavg") is same, dataset
+
+
+def test_reproduce_calls_a_difference_a_regression_only_on_the_machine_that_stored_the_cell():
+    from bench.reproduce import verdict
+
+    here = "Xeon, PyTorch 2.14.1 (AVX512 kernels), numpy 2.4.6, scipy 1.17.1"
+    assert verdict(True, "not recorded", here) == "yes"
+    assert verdict(False, here, here) == "NO"
+    assert verdict(False, here.replace("AVX512", "AVX2"), here) == (
+        "no, as expected of another machine")
+    assert verdict(False, "not recorded", here) == "no (where it was stored is not recorded)"

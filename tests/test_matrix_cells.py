@@ -9,6 +9,7 @@ from pathlib import Path
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
+from bench.evidence.report import write_report
 from common.protocol import NOT_FINITE
 from launch.federation import FlowerRun
 from tests.test_matrix import COMMON_DIGITS, _store, _tuned_fedavg
@@ -43,7 +44,7 @@ def test_an_ablation_is_its_rows_reported_configuration_with_its_change_winning(
 
 
 def test_an_ablation_waits_for_its_rows_report_seeds_and_skips_a_change_the_row_has(
-        tmp_path, capsys):
+        tmp_path, capsys, monkeypatch):
     """Its row may still double its rounds while a report seed is missing; a change that
     leaves the row's run as it is (its own learning rate; a default it runs anyway) would
     repeat the row's cells under another name."""
@@ -60,6 +61,10 @@ def test_an_ablation_waits_for_its_rows_report_seeds_and_skips_a_change_the_row_
         assert offline.ablation(ablation) == [] and offline.redundant(ablation)
         assert "already has this change" in capsys.readouterr().err
     assert not offline.redundant(probe)
+    # the report lists it as not run
+    monkeypatch.setattr(protocol, "ABLATIONS", same[:1])
+    assert ("| dirichlet-0.1/fedavg | lr=0.1 |  | - | not run: the row's tuned configuration "
+            "already has this change |" in write_report(offline, "python bench/matrix.py"))
 
 
 class _FailingFederation:

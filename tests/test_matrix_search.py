@@ -80,8 +80,10 @@ def test_a_best_rate_at_an_end_of_the_grid_steps_past_it_within_the_same_budget(
     inside, at_end = (row_stats(m, "dirichlet-0.1", item) for m in (offline, low))
     assert (inside["chosen"]["lr"], at_end["chosen"]["lr"]) == (1.0, 0.0001)
     assert len(inside["grid"]) == len(at_end["grid"]) == 10
-    # no third step: the row is named as still at an end of its search
+    # no third step: the row is named as still at an end of its search, either end
     assert not lr_at_grid_end(inside) and lr_at_grid_end(at_end)
+    assert lr_at_grid_end({**inside, "chosen": {"lr": 3.0},
+                           "grid": [*inside["grid"], {"lr": 3.0}]})
     report = write_report(low, "python bench/matrix.py")
     assert ("## Rows whose learning rate is an end of their search" in report
             and "- dirichlet-0.1/fedavg: lr 0.0001 of [0.0001, 0.0003, 0.001," in report)
