@@ -155,11 +155,18 @@ def selection_figure(summary: Mapping[str, Any]) -> float:
     return run_figures(summary)["accuracy"]
 
 
+def not_diverged(tried: Sequence[tuple[Any, Mapping[str, Any]]]
+                 ) -> list[tuple[Any, Mapping[str, Any]]]:
+    """The ``(configuration, run summary)`` pairs whose run did not diverge: those a search
+    can choose from."""
+    return [pair for pair in tried if pair[1].get("status") != "diverged"]
+
+
 def choose(tried: Sequence[tuple[Any, Mapping[str, Any]]]) -> Any:
     """Of ``(configuration, tuning run summary)`` pairs, the configuration with the highest
     ``selection_figure`` (the first of equals); a run that diverged (``"status":
     "diverged"``: its losses stopped being finite) is never chosen."""
-    finished = [pair for pair in tried if pair[1].get("status") != "diverged"]
+    finished = not_diverged(tried)
     if not finished:
         raise ValueError("every configuration diverged: widen the search downwards")
     return max(finished, key=lambda pair: selection_figure(pair[1]))[0]

@@ -22,7 +22,7 @@ from bench.evidence.protocol import (
 )
 from bench.report import RESULTS, numerics, produced_by
 from comparison.runs import RunStore
-from comparison.stats import choose, config_tag, slope
+from comparison.stats import choose, config_tag, not_diverged, slope
 from launch.app_project import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation
 from strategies.registry import REGISTRY
@@ -112,7 +112,7 @@ class Matrix:
                                   may_run=tune)) for c in configs]
 
         def best(tried: list[tuple[dict[str, Any], Any]]) -> float | None:
-            finished = [pair for pair in tried if pair[1].get("status") != "diverged"]
+            finished = not_diverged(tried)
             return choose(finished)["lr"] if finished else None
 
         rates = cells(learning_rate_stage())
