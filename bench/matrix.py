@@ -45,7 +45,7 @@ from __future__ import annotations
 import argparse
 
 from bench.evidence import protocol
-from bench.evidence.cells import Matrix, run, select
+from bench.evidence.cells import Matrix, row_entry, run, select
 from bench.evidence.claims import undecided
 from bench.evidence.protocol import (
     ABLATIONS,
@@ -66,7 +66,7 @@ def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
     for scenario, label in sorted(undecided(claims)):
         if scenario not in scenarios:
             continue
-        [(_, item)] = select([scenario], [f"{scenario}/{label}"])
+        item = row_entry(scenario, label)
         config, _ = matrix.reported(scenario, item)
         for seed in protocol.EXTRA_SEEDS:
             matrix.cell(scenario, item, "report", config, seed)

@@ -163,7 +163,7 @@ class Matrix:
         before its row is tuned and that length is settled (``report_length``: a length its
         row may still double past is not its length), nor where the change is already the
         row's configuration (``redundant``)."""
-        [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
+        item = row_entry(ablation.scenario, ablation.label)
         config, tuned, settled = self.report_length(ablation.scenario, item)
         why = ("not tuned yet" if not tuned
                else "its rounds are not settled (a report seed is missing)" if not settled
@@ -198,7 +198,7 @@ class Matrix:
 
     def redundant(self, ablation: Ablation) -> bool:
         """Whether the ablation's change is already its tuned row's configuration."""
-        [(_, item)] = select([ablation.scenario], [f"{ablation.scenario}/{ablation.label}"])
+        item = row_entry(ablation.scenario, ablation.label)
         config, tuned = self.reported(ablation.scenario, item)
         return tuned and self.unchanged(ablation.scenario, item, config, ablation.change)
 
@@ -208,7 +208,7 @@ class Matrix:
         cells without DP at the same configuration (both empty before the row is tuned): the
         row's tuned configuration at its scenario's rounds, never a doubled length, so that
         every row spends the same epsilon at a noise level."""
-        [(_, item)] = select([entry.scenario], [f"{entry.scenario}/{entry.label}"])
+        item = row_entry(entry.scenario, entry.label)
         config, tuned = self.tuned(entry.scenario, item, tune=False)
         if not tuned:
             return [], []
@@ -228,6 +228,12 @@ def chosen(searched: list[tuple[dict[str, Any], dict[str, Any] | None]]
     if any(r is None for _, r in searched):
         return {}, False
     return choose(searched), True
+
+
+def row_entry(scenario: str, label: str) -> Entry:
+    """The row ``label`` of ``scenario``."""
+    [(_, item)] = select([scenario], [f"{scenario}/{label}"])
+    return item
 
 
 def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
