@@ -24,6 +24,10 @@ def main() -> None:
         print("leaving", file=sys.stderr)
         sys.exit(int(args[0]))
     elif command == "wait":  # until a signal stops it
-        Path(args[0]).write_text(str(os.getpid()))
+        # written whole, then renamed: the test polls for the file and must never read
+        # it between its creation and its write
+        written = Path(args[0]).with_suffix(".partial")
+        written.write_text(str(os.getpid()))
+        written.replace(args[0])
         while True:
             time.sleep(0.1)
