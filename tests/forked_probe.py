@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.durable import write_atomic
+
 
 def main() -> None:
     command, *args = sys.argv[1:]
@@ -24,10 +26,7 @@ def main() -> None:
         print("leaving", file=sys.stderr)
         sys.exit(int(args[0]))
     elif command == "wait":  # until a signal stops it
-        # written whole, then renamed: the test polls for the file and must never read
-        # it between its creation and its write
-        written = Path(args[0]).with_suffix(".partial")
-        written.write_text(str(os.getpid()))
-        written.replace(args[0])
+        # atomically: the test polls for the file and must never read it half written
+        write_atomic(Path(args[0]), lambda f: f.write(str(os.getpid()).encode()))
         while True:
             time.sleep(0.1)
