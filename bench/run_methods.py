@@ -46,11 +46,12 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def same_domain_weight(results: dict[str, Any]) -> float | None:
     """Factorized-FL in the domain scenario: mean share of a client's matching weight (self
-    excluded) that lands on clients of its own domain (domain = partition id mod groups)."""
+    excluded) that lands on clients of its own domain (domain = partition id mod groups);
+    None where the rounds hold only the summary the server writes for many clients."""
     config = results["config"]
     similarity = next((r["similarity"] for r in reversed(results["rounds"])
                        if "similarity" in r), None)
-    if similarity is None or config.get("partitioner") != "domain":
+    if similarity is None or "weights" not in similarity or config.get("partitioner") != "domain":
         return None
     groups = int(config["domain-groups"])
     clients = [int(c) for c in similarity["clients"]]

@@ -11,6 +11,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from torch import nn
 
+from bench.run_methods import same_domain_weight
 from client_app.runtime import Client
 from common.protocol import ClientReply
 from models.factorized_fl import (
@@ -238,6 +239,8 @@ def test_many_clients_build_only_the_downlinks_sent_and_summarise_the_matrix():
     strategy.rule.merge_updates(1, replies, arrays)
     summary = strategy.ledger.record(1).extra["similarity"]
     assert summary["num_clients"] == 100 and "matrix" not in summary
+    domain = {"config": {"partitioner": "domain", "domain-groups": 2}}
+    assert same_domain_weight({**domain, "rounds": [{"similarity": summary}]}) is None
     assert 1 <= summary["neighbours_mean"] <= 100
     assert strategy.rule._personal == {}
     clients, _, weights = matching_weights(
@@ -284,6 +287,7 @@ def test_real_rounds_uplink_bytes_and_personal_u(federation, tmp_path):
     assert similarity["clients"] == ["0", "1", "2", "3"]
     weights = np.array(similarity["weights"])
     assert not np.allclose(weights[0], weights[1])  # different matches -> different u
+    assert 0.0 <= same_domain_weight(read_results(tmp_path / "ffl")) <= 1.0  # bench's note
     assert rounds[1]["bytes_down_train"] == rounds[0]["bytes_down_train"]
 
 
