@@ -252,6 +252,15 @@ def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_hol
     assert line.startswith("| dirichlet-0.1 | **fedper**: 80.0 ± 1.6, 40 MB | ")
     assert "fedrep -0.4 [" in line and "38 MB" in line and not re.search(r"fedavg [+-]", line)
     assert "still provisional (search, seeds or convergence): fedbn" in line
+    # a row with one seed has no interval against the best: not in yet, never left out
+    one_seed = row("local", [0.80, 0.80])
+    one_seed["per_seed"] = {1: one_seed["per_seed"][1]}
+    stats["dirichlet-0.1"]["local"] = one_seed
+    with_one_seed = picks(stats)["dirichlet-0.1"]
+    assert "local" in with_one_seed["missing"] and "local" not in with_one_seed["tied"]
+    assert re.search(r"not in yet: [^;)]*\blocal\b",
+                     pick_table({scenario: with_one_seed}, stats).splitlines()[-1])
+    del stats["dirichlet-0.1"]["local"]
     # a row best only through its extra seeds (run for an undecided claim) is not the best:
     # rows are ranked on the report seeds every row has
     stats["dirichlet-0.1"]["fedavg"] = row("fedavg", [0.79, 0.81, 0.771, 0.80, 0.78]

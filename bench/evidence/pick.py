@@ -16,19 +16,22 @@ from comparison.stats import accuracy_difference, points
 
 def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """scenario -> the best row's label, the tied rows' paired differences against it (label
-    -> ``paired_difference``), the scenario's rows not in yet, and the picked rows that had
-    not converged or finished their search."""
+    -> ``paired_difference``), the scenario's rows not in yet (no cells, or no interval against
+    the best), and the picked rows that had not converged or finished their search."""
     out = {}
     for scenario, rows in stats.items():
         ranked = sorted(rows.values(), key=lambda r: report_seeds_stats(r)[0], reverse=True)
         best = ranked[0]
-        tied = {r["label"]: d for r in ranked[1:]
-                if (d := accuracy_difference(r, best)) is not None and d["ci95"] is not None
-                and d["ci95"][1] >= 0}
+        differences = {r["label"]: accuracy_difference(r, best) for r in ranked[1:]}
+        # a row without an interval against the best (a single common seed) is not judged yet
+        unjudged = [label for label, d in differences.items() if d is None or d["ci95"] is None]
+        tied = {label: d for label, d in differences.items()
+                if label not in unjudged and d["ci95"][1] >= 0}
         picked = [best["label"], *tied]
         out[scenario] = {
             "best": best["label"], "tied": tied,
-            "missing": [e.label for e in SCENARIOS[scenario].entries if e.label not in rows],
+            "missing": [e.label for e in SCENARIOS[scenario].entries if e.label not in rows]
+            + unjudged,
             "provisional": [label for label in picked
                             if not complete(rows[label]) or flag(rows[label])]}
     return out
