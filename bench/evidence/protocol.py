@@ -225,8 +225,9 @@ ABLATIONS = [
              "A full-rank personal B A in every layer, all else the row's: is the low-rank "
              "personal part too small for clients this different?"),
     Ablation("cross-device", "feddecomp", {"feddecomp.lora-epochs": 4},
-             "4 of the 5 local epochs on the personal B A instead of the paper's 2, all else "
-             "the row's: is the personal part trained too little in a client's few visits?"),
+             "4 of the 5 local epochs on the personal B A instead of the paper's 2 (so 1 on "
+             "sigma instead of 3), all else the row's: is the personal part trained too "
+             "little in a client's few visits?"),
     Ablation("cross-device", "feddecomp", {"feddecomp.tau-scale": "none"},
              "tau = B A instead of the authors' B A / r, all else the row's: does the LoRA "
              "scale keep the personal part too small to move in a client's few visits?"),
