@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -31,7 +30,7 @@ import torch
 
 from bench.evidence.protocol import COMMON, SCENARIOS, pool_file
 from bench.overhead import bare_loop
-from bench.report import RESULTS, write_report
+from bench.report import RESULTS, machine, write_report
 from launch.deployment import LocalDeployment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,14 +40,6 @@ DEPLOYED = [("fedavg", {}), ("fedper", {}), ("feddecomp", {}), ("fedfac", {}),
             ("feddecomp", {"dp.mode": "central", "dp.noise-multiplier": 0.5,
                            "dp.clip-norm": 1.0}),
             ("fedper", {"dp.mode": "local", "dp.noise-multiplier": 0.5, "dp.clip-norm": 1.0})]
-
-
-def machine() -> str:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
-    import flwr
-    return (f"{gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}), flwr "
-            f"{flwr.__version__}, Python {platform.python_version()}, "
-            f"{os.cpu_count()} CPU cores")
 
 
 def bare_rows(config: dict, clients: int, rounds: int, gpu: str) -> list[str]:
@@ -107,8 +98,7 @@ def main() -> None:
     bare = bare_rows(config, 20, args.rounds, args.device)
     deployed = deployed_rows({**config, "num-server-rounds": args.deploy_rounds}, args.sites,
                              args.deploy_rounds, args.device)
-    commit = os.environ.get("PFLOWER_COMMIT", "")  # the device's copy is not a git checkout
-    body = (f"On {machine()}{f', commit `{commit}`' if commit else ''}.\n\n"
+    body = (f"On {machine()}.\n\n"
             f"A matrix cell's training ({args.rounds} rounds, 20 clients, FedAvg, no Flower):\n\n"
             "| how | wall time | a round |\n|---|---|---|\n" + "\n".join(bare) + "\n\n"
             f"Each method through a loopback deployment ({args.sites} `pflower-supernode` "

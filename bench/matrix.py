@@ -56,7 +56,7 @@ from bench.evidence.protocol import (
     pool_file,
 )
 from bench.evidence.report import judged, write_report
-from launch.federation import warm_federation
+from launch.federation import gpus_per_client, warm_federation
 
 
 def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
@@ -100,7 +100,8 @@ def main() -> None:
     only = [o for o in args.only.split(",") if o]
     if not args.write_only:
         with warm_federation() as federation:
-            matrix = Matrix(federation, common, tuning=tuning)
+            matrix = Matrix(federation, common, tuning=tuning,
+                            gpus_per_client=gpus_per_client(args.device))
             whole = not only and args.stage == "all" and not (args.ablations or args.privacy)
             if not (args.ablations or args.privacy):
                 run(matrix, select(args.scenarios.split(","), only), args.stage)

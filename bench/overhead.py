@@ -2,9 +2,11 @@
 
     python bench/overhead.py --rounds 2 --supernodes 10 --repeats 3
     python bench/overhead.py --matrix --rounds 5 --repeats 2   # one evidence-matrix cell
+    python bench/overhead.py --matrix --rounds 5 --repeats 2 --device cuda   # on a GPU
 
 FedAvg on digits (``--matrix``: on a matrix cell's configuration, Dirichlet 0.1 over 20
-clients of the report pool, LeNet-5, 5 local epochs; bare and warm only). Four ways to run
+clients of the report pool, LeNet-5, 5 local epochs; bare and warm only; ``--device cuda``:
+the bare loop on the GPU and each simulated client on its share of it). Four ways to run
 the same rounds, each ``--repeats`` times, medians:
 
 - bare: the same clients (data partitions), seeded model, local rule and personalized
@@ -20,7 +22,8 @@ the same rounds, each ``--repeats`` times, medians:
   spent on the other's work.
 
 A run's fixed cost is its wall time minus the sum of its rounds' seconds (``results.json``).
-Writes ``bench/results/overhead.md``.
+Writes ``bench/results/overhead.md`` (``--matrix``: ``overhead-matrix.md``, on a GPU
+``overhead-matrix-cuda.md``).
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ from statistics import median
 import torch
 from flwr.app import Context, RecordDict
 
-from bench.report import write_report
+from bench.report import machine, write_report
 from client_app.runtime import Client
 from launch.app_project import app_defaults
-from launch.federation import LocalFederation, warm_federation
+from launch.federation import LocalFederation, gpus_per_client, warm_federation
 from launch.warm_start import ForkServer
 from strategies.registry import build_model
 from strategies.training import LocalTraining, evaluate_model
@@ -107,7 +110,7 @@ def timed_run(federation: LocalFederation, config: dict, supernodes: int, out: P
     rounds); a failed run stops the benchmark with its output."""
     start = time.perf_counter()
     run = federation.run(ROOT, {**config, "output-dir": str(out)}, num_supernodes=supernodes,
-                         timeout=timeout)
+                         gpus_per_client=gpus_per_client(config["device"]), timeout=timeout)
     wall = time.perf_counter() - start
     if not run.ok:
         raise SystemExit(f"{out.name}: the run failed ({run.status}):\n{run.output[-3000:]}")
@@ -161,8 +164,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--matrix", action="store_true",
                         help="a matrix cell's configuration (20 clients), bare and warm only")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the bare loop and every client train (cuda: --matrix only)")
     args = parser.parse_args()
-    config = {"method": "fedavg", "num-server-rounds": args.rounds, "plot": False}
+    if args.device != "cpu" and not args.matrix:
+        parser.error("--device cuda times a matrix cell (--matrix): the demo has no GPU share")
+    config = {"method": "fedavg", "num-server-rounds": args.rounds, "plot": False,
+              "device": args.device}
     if args.matrix:
         from bench.evidence.protocol import COMMON, NUM_CLIENTS, SCENARIOS, pool_file
         config = {**COMMON, **SCENARIOS["dirichlet-0.1"].config, **config, "lr": 0.03,
@@ -218,10 +226,14 @@ def matrix_report(args: argparse.Namespace, bare: list[tuple[float, float]],
     table = ("| how | wall time | its rounds (sum) | rounds / bare rounds |\n|---|---|---|---|\n"
              + "\n".join(rows) + f"\n\nMedians of {args.repeats} repeats; every run's wall "
              f"and rounds: bare {_pairs(bare)}; warm {_pairs(warm)}.\n")
-    write_report("overhead-matrix", f"A matrix cell's cost against a bare PyTorch loop "
-                 f"(FedAvg, Dirichlet 0.1, {args.supernodes} clients, {args.rounds} rounds)",
+    on_gpu = args.device == "cuda"
+    write_report("overhead-matrix" + ("-cuda" if on_gpu else ""),
+                 f"A matrix cell's cost against a bare PyTorch loop (FedAvg, Dirichlet 0.1, "
+                 f"{args.supernodes} clients, {args.rounds} rounds"
+                 + (", on a GPU)" if on_gpu else ")"),
                  f"python bench/overhead.py --matrix --rounds {args.rounds} --repeats "
-                 f"{args.repeats}", table)
+                 f"{args.repeats}" + (" --device cuda" if on_gpu else ""),
+                 f"On {machine()}.\n\n" + table)
 
 
 def _pairs(runs: list[tuple[float, float]]) -> str:

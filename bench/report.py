@@ -3,6 +3,7 @@ that produced it, body."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -37,6 +38,20 @@ def numerics() -> str:
                   if line.startswith("model name")), platform.processor() or "CPU")
     return (f"{model}, PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}"
             f" kernels), numpy {numpy.__version__}, scipy {scipy.__version__}")
+
+
+def machine() -> str:
+    """What a timing ran on: the GPU, PyTorch and its CUDA, Flower, Python, the CPU cores; and
+    the commit ``PFLOWER_COMMIT`` names, where the copy that ran is not a git checkout (a
+    lent GPU machine's)."""
+    import flwr
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    commit = os.environ.get("PFLOWER_COMMIT", "")
+    return (f"{gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}), flwr "
+            f"{flwr.__version__}, Python {platform.python_version()}, "
+            f"{os.cpu_count()} CPU cores" + (f", commit `{commit}`" if commit else ""))
 
 
 def _cpuinfo() -> str:

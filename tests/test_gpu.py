@@ -9,14 +9,17 @@ directory must load on a machine without one (tensors saved from the CPU)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.evidence import protocol
+from bench.evidence.cells import Matrix, run, select
 from launch.deployment import LocalDeployment
-from launch.federation import LocalFederation
+from launch.federation import LocalFederation, gpus_per_client
 from strategies.registry import REGISTRY
 from tests.conftest import read_results
 
@@ -84,3 +87,22 @@ def test_simulated_clients_train_on_their_share_of_the_gpu(cold_federation, meth
     assert math.isfinite(final["accuracy_weighted"]) and final["accuracy_weighted"] > 0.3
     if extra:
         assert final["privacy"]["epsilon"] > 0
+
+
+def test_matrix_cells_on_the_gpu_train_each_client_on_its_share(cold_federation, tmp_path,
+                                                                monkeypatch):
+    """``bench/matrix.py --device cuda``: each simulated client gets a share of the GPU (else
+    Ray hides it and the client refuses ``device=cuda``), and the cells are kept apart from
+    the CPU's."""
+    monkeypatch.setattr(protocol, "REPORT_SEEDS", (1,))
+    monkeypatch.setattr(protocol, "MAX_DOUBLINGS", 0)
+    common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False,
+              "device": "cuda"}
+    matrix = Matrix(cold_federation, common, tmp_path, num_clients=3,
+                    gpus_per_client=gpus_per_client("cuda"))
+    run(matrix, select(["dirichlet-0.1"], ["fedavg"]), "report")
+    [path] = (tmp_path / "matrix" / "cells-cuda").rglob("*.json")
+    cell = json.loads(path.read_text())
+    assert cell["machine"].endswith("device cuda") and len(cell["rounds"]) == 2
+    assert math.isfinite(cell["accuracy_weighted"]) and cell["accuracy_weighted"] > 0.3
+    assert not (tmp_path / "matrix" / "cells").exists()

@@ -34,12 +34,14 @@ class Matrix:
     """The cells under ``out``: stored ones are read, missing ones run on ``federation`` (one
     private SuperLink) when there is one. A tuning cell runs ``common`` under ``tuning`` (its
     pool and validation split), a report or ablation cell ``common`` alone. ``num_clients``
-    replaces every scenario's own (tests run three)."""
+    replaces every scenario's own (tests run three). ``gpus_per_client``: each simulated
+    client's share of the GPU, above 0 where ``common``'s device is ``cuda``."""
 
     def __init__(self, federation: LocalFederation | None, common: dict[str, Any],
                  out: Path = RESULTS, num_clients: int | None = None,
-                 tuning: dict[str, Any] | None = None) -> None:
+                 tuning: dict[str, Any] | None = None, gpus_per_client: float = 0.0) -> None:
         self.federation = federation
+        self.gpus_per_client = gpus_per_client
         self.common = common
         self.tuning = protocol.TUNING if tuning is None else tuning
         self.out = out
@@ -89,7 +91,7 @@ class Matrix:
     def _run(self, run_config: dict[str, Any], context: dict[str, Any]) -> FlowerRun:
         assert self.federation is not None
         return self.federation.run(ROOT, run_config, num_supernodes=context["num_clients"],
-                                   timeout=3600)
+                                   gpus_per_client=self.gpus_per_client, timeout=3600)
 
     def _stamp(self) -> dict[str, Any]:
         return {"commit": produced_by("pyproject.toml", *app_packages()),
