@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from bench.evidence import protocol
@@ -11,7 +12,7 @@ from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
 from bench.evidence.report import write_report
 from common.protocol import NOT_FINITE
-from launch.federation import FlowerRun
+from launch.federation import FlowerRun, gpus_per_client
 from tests.test_matrix import COMMON_DIGITS, _store, _tuned_fedavg
 
 SCENARIO = "dirichlet-0.1"
@@ -73,10 +74,12 @@ class _FailingFederation:
 
     def __init__(self) -> None:
         self.asked: list[str] = []
+        self.gpu_shares: set[float] = set()
 
-    def run(self, app: Path, run_config: dict, num_supernodes: int,
+    def run(self, app: Path, run_config: dict, num_supernodes: int, gpus_per_client: float,
             timeout: float) -> FlowerRun:
         self.asked.append(Path(run_config["output-dir"]).name)
+        self.gpu_shares.add(gpus_per_client)
         return FlowerRun(1, "Traceback: boom", "1", "finished:failed", "boom")
 
 
@@ -91,6 +94,22 @@ def test_a_row_whose_search_failed_runs_no_report_seed_on_its_defaults(tmp_path,
     run(matrix, row, "report")  # asked for: its defaults, each report seed
     assert federation.asked[len(protocol.LR_GRID):] == [
         f"report-defaults-seed{seed}" for seed in protocol.REPORT_SEEDS]
+
+
+def test_cells_on_cuda_give_every_client_a_share_that_fits_one_gpu(tmp_path):
+    """``bench/matrix.py --device cuda``: without a share Ray hides the GPU from a simulated
+    client, which then refuses ``device=cuda``; with one CPU a client, as many clients as CPUs
+    must fit on one GPU at once. On the CPU no share is asked for."""
+    for device in ("cuda", "cpu"):
+        federation = _FailingFederation()
+        matrix = Matrix(federation, {**COMMON_DIGITS, "device": device}, tmp_path / device,
+                        num_clients=3, gpus_per_client=gpus_per_client(device))
+        run(matrix, select([SCENARIO], ["fedavg"]), "tune")
+        [share] = federation.gpu_shares
+        if device == "cuda":
+            assert share > 0 and share * (os.cpu_count() or 1) <= 1
+        else:
+            assert share == 0
 
 
 def test_an_ablation_runs_at_the_last_doubling_even_with_a_seed_missing_there(tmp_path):
@@ -158,7 +177,7 @@ def test_only_names_rows_by_label_method_or_scenario_and_label():
 class _DivergingFederation:
     """Every run ends as a diverged one does: failed, no reply with finite values left."""
 
-    def run(self, app: Path, run_config: dict, num_supernodes: int,
+    def run(self, app: Path, run_config: dict, num_supernodes: int, gpus_per_client: float,
             timeout: float) -> FlowerRun:
         out = Path(run_config["output-dir"])
         out.mkdir(parents=True, exist_ok=True)
