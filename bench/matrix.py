@@ -56,7 +56,7 @@ from bench.evidence.protocol import (
     pool_file,
 )
 from bench.evidence.report import judged, write_report
-from launch.federation import gpus_per_client, warm_federation
+from launch.federation import warm_federation
 
 
 def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
@@ -89,6 +89,11 @@ def main() -> None:
     parser.add_argument("--privacy", action="store_true",
                         help="run the DP cells of tuned rows (PRIVACY), then the report")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not args.write_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA device is visible on this machine")
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
@@ -100,8 +105,7 @@ def main() -> None:
     only = [o for o in args.only.split(",") if o]
     if not args.write_only:
         with warm_federation() as federation:
-            matrix = Matrix(federation, common, tuning=tuning,
-                            gpus_per_client=gpus_per_client(args.device))
+            matrix = Matrix(federation, common, tuning=tuning)
             whole = not only and args.stage == "all" and not (args.ablations or args.privacy)
             if not (args.ablations or args.privacy):
                 run(matrix, select(args.scenarios.split(","), only), args.stage)

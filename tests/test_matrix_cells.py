@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
 from bench.evidence.report import write_report
 from common.protocol import NOT_FINITE
-from launch.federation import FlowerRun, gpus_per_client
+from launch.federation import FlowerRun
+from tests.conftest import ROOT
 from tests.test_matrix import COMMON_DIGITS, _store, _tuned_fedavg
 
 SCENARIO = "dirichlet-0.1"
@@ -97,17 +103,17 @@ def test_a_row_whose_search_failed_runs_no_report_seed_on_its_defaults(tmp_path,
 
 
 def test_cells_on_cuda_give_every_client_a_share_that_fits_one_gpu(tmp_path):
-    """``bench/matrix.py --device cuda``: without a share Ray hides the GPU from a simulated
-    client, which then refuses ``device=cuda``; with one CPU a client, as many clients as CPUs
-    must fit on one GPU at once. On the CPU no share is asked for."""
+    """``bench/matrix.py --device cuda`` (the device in the matrix's common settings): without a
+    share Ray hides the GPU from a simulated client, which then refuses ``device=cuda``; with
+    one CPU a client, as many clients as CPUs fit on one GPU at once. On the CPU no share."""
     for device in ("cuda", "cpu"):
         federation = _FailingFederation()
         matrix = Matrix(federation, {**COMMON_DIGITS, "device": device}, tmp_path / device,
-                        num_clients=3, gpus_per_client=gpus_per_client(device))
+                        num_clients=3)
         run(matrix, select([SCENARIO], ["fedavg"]), "tune")
         [share] = federation.gpu_shares
         if device == "cuda":
-            assert share > 0 and share * (os.cpu_count() or 1) <= 1
+            assert share * (os.cpu_count() or 1) == pytest.approx(1)
         else:
             assert share == 0
 
@@ -199,3 +205,12 @@ def test_a_diverged_run_is_a_result_of_a_search_or_a_privacy_level_never_of_a_re
         assert (cell is not None, kept) == ((True, True) if stage in ("tune", "privacy")
                                             else (False, False)), stage
         assert cell is None or cell["status"] == "diverged"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
+def test_the_matrix_on_cuda_without_a_gpu_stops_before_any_run():
+    done = subprocess.run([sys.executable, "bench/matrix.py", "--device", "cuda"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        "--device cuda: no CUDA device is visible on this machine")

@@ -24,7 +24,7 @@ from bench.report import RESULTS, numerics, produced_by
 from comparison.runs import RunStore
 from comparison.stats import choose, config_tag, not_diverged, slope
 from launch.app_project import app_defaults, app_packages
-from launch.federation import FlowerRun, LocalFederation
+from launch.federation import FlowerRun, LocalFederation, gpus_per_client
 from strategies.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,19 +34,19 @@ class Matrix:
     """The cells under ``out``: stored ones are read, missing ones run on ``federation`` (one
     private SuperLink) when there is one. A tuning cell runs ``common`` under ``tuning`` (its
     pool and validation split), a report or ablation cell ``common`` alone. ``num_clients``
-    replaces every scenario's own (tests run three). ``gpus_per_client``: each simulated
-    client's share of the GPU, above 0 where ``common``'s device is ``cuda``."""
+    replaces every scenario's own (tests run three). Where ``common``'s device is ``cuda``,
+    each simulated client gets its share of the GPU (``launch.federation.gpus_per_client``)."""
 
     def __init__(self, federation: LocalFederation | None, common: dict[str, Any],
                  out: Path = RESULTS, num_clients: int | None = None,
-                 tuning: dict[str, Any] | None = None, gpus_per_client: float = 0.0) -> None:
+                 tuning: dict[str, Any] | None = None) -> None:
         self.federation = federation
-        self.gpus_per_client = gpus_per_client
         self.common = common
         self.tuning = protocol.TUNING if tuning is None else tuning
         self.out = out
         self.num_clients = num_clients
         self.device = str(common.get("device", "auto"))
+        self.gpus_per_client = gpus_per_client(self.device)
         self.store = RunStore(app_defaults(ROOT), REGISTRY, self._run, stamp=self._stamp)
 
     def clients(self, scenario: str) -> int:
@@ -94,8 +94,12 @@ class Matrix:
                                    gpus_per_client=self.gpus_per_client, timeout=3600)
 
     def _stamp(self) -> dict[str, Any]:
+        import torch
+
         return {"commit": produced_by("pyproject.toml", *app_packages()),
-                "machine": f"{os.cpu_count()} CPU cores, device {self.device}",
+                "machine": f"{os.cpu_count()} CPU cores, device {self.device}"
+                + (f" ({torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'})"
+                   if self.gpus_per_client else ""),
                 "numerics": numerics()}
 
     def searched(self, scenario: str, item: Entry, tune: bool
