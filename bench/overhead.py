@@ -46,7 +46,8 @@ from flwr.app import Context, RecordDict
 from bench.report import machine, write_report
 from client_app.runtime import Client
 from launch.app_project import app_defaults
-from launch.federation import LocalFederation, gpus_per_client, warm_federation
+from launch.federation import LocalFederation, warm_federation
+from launch.ray_head import gpus_per_client
 from launch.warm_start import ForkServer
 from strategies.registry import build_model
 from strategies.training import LocalTraining, evaluate_model

@@ -34,14 +34,25 @@ LINE_STYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 
 
+# A scenario of the evidence matrix has up to 12 rows: matplotlib's ten ``tab10`` colours,
+# then black and dark gold, no two of one hue family (a pale shade of a colour beside it, as
+# ``tab20``'s, reads as the same row on a busy plot); ``tab20``'s pale shades only beyond 12
+DISTINCT_COLOURS = 12
+
+
 def row_style(index: int) -> dict[str, Any]:
-    """The ``index``-th row's colour, line style and marker: 20 colours (matplotlib's
-    ``tab20``, dark shades first), so that no two of up to 20 rows share a colour, and line
+    """The ``index``-th row's colour, line style and marker: 12 colours of distinct hues (or
+    grey, black), then pale ones, so that no two of up to 22 rows share a colour, and line
     styles and markers that change from one row to the next as well."""
     from matplotlib import colormaps
 
-    shade = (2 * index) % 20 + (2 * index) // 20 % 2
-    return {"color": colormaps["tab20"](shade), "linestyle": LINE_STYLES[index % 4],
+    if index < 10:
+        colour = colormaps["tab10"](index)
+    elif index < DISTINCT_COLOURS:
+        colour = ("black", "darkgoldenrod")[index - 10]
+    else:
+        colour = colormaps["tab20"]((2 * (index - DISTINCT_COLOURS)) % 20 + 1)
+    return {"color": colour, "linestyle": LINE_STYLES[index % 4],
             "marker": MARKERS[index % len(MARKERS)]}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
-from comparison.stats import LAST_ROUNDS, RISING, SLOPE_ROUNDS, config_tag, points
+from comparison.stats import CONVERGED_SLOPE, LAST_ROUNDS, SLOPE_ROUNDS, config_tag, points
 
 FEW_SEEDS = 3  # below this, a 95% interval over seeds is too wide to tell anything apart
 
@@ -35,8 +35,10 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
         "personalized, weighted by test examples, mean of the last "
         f"{min(LAST_ROUNDS, rounds)} evaluated rounds, then mean ± standard deviation over "
         "seeds (never the best round). Min client: the same for the lowest client. Slope: "
-        f"points per round over the last {window} rounds (above {100 * RISING:.1f}, marked: "
-        "the curve was still rising; run more rounds). Versus the reference: the paired "
+        f"points per round over the last {window} rounds, mean over seeds; marked not "
+        "converged where the upper end of its 95% interval over seeds lies above "
+        f"{100 * CONVERGED_SLOPE:.1f} (a point per 10 rounds: run more rounds), and not judged "
+        "with one seed. Versus the reference: the paired "
         "difference per seed, its mean and 95% interval; not worse: the interval lies at or "
         f"above {margin:+.1f} (`--margin`); better: it lies above 0.\n",
         *([f"**{len(seeds)} seed{'s' if len(seeds) > 1 else ''} only**: with fewer than "
@@ -63,7 +65,7 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
             f"{len(row['seeds'])} | "
             f"{100 * row['accuracy'][0]:.1f} ± {100 * row['accuracy'][1]:.1f} | "
             f"{100 * row['accuracy_min'][0]:.1f} | {100 * row['slope'][0]:+.2f}"
-            f"{' (still rising)' if row['slope'][0] > RISING else ''} | "
+            f"{_convergence(row)} | "
             f"{row['mb_up'][0]:.2f} | {row['seconds'][0]:.0f} | {diff} | "
             f"{verdicts.get('verdict', '-')} | {verdicts.get('superiority', '-')} |")
     if summary["failed"]:
@@ -71,6 +73,13 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
     lines += ["\n![accuracy per round](accuracy.png)\n",
               "![accuracy against uplink](accuracy-vs-uplink.png)\n"]
     return "\n".join(lines) + "\n"
+
+
+def _convergence(row: dict[str, Any]) -> str:
+    """The slope cell's mark where the row's curves may still be rising."""
+    if row["converged"]:
+        return ""
+    return " (one seed: not judged)" if row["slope_ci95"] is None else " (not converged)"
 
 
 def plot(summary: dict[str, Any], out: Path) -> None:

@@ -34,7 +34,10 @@ from common.config import EVALUATED_LAST_ROUNDS
 
 LAST_ROUNDS = 5
 SLOPE_ROUNDS = EVALUATED_LAST_ROUNDS  # rounds that every run evaluates, at any evaluate-every
-RISING = 0.002  # accuracy per round over the last SLOPE_ROUNDS: the curve has not flattened
+# Curves have converged when the upper end of the 95% interval (over seeds) of their slope
+# over the last SLOPE_ROUNDS is at most this, in accuracy a round: one point, a usual margin,
+# per 10 rounds (one seed: no interval, not judged)
+CONVERGED_SLOPE = 0.001
 MB = 1024**2
 # keys that do not change a run's numbers: a stored run that differs only in these is reused
 # (evaluate-every thins the curve, not the figures: those read the rounds it always evaluates,
@@ -124,6 +127,17 @@ def slope(curve: Sequence[float], rounds: int = SLOPE_ROUNDS) -> float:
     return float(np.polyfit(np.arange(len(tail)), tail, 1)[0])
 
 
+def slope_interval(slopes: Sequence[float]) -> tuple[float, float] | None:
+    """The 95% interval of the mean of per-seed slopes (None for one seed)."""
+    return mean_interval(slopes)[1]
+
+
+def converged(slopes: Sequence[float]) -> bool:
+    """Whether curves with these per-seed slopes have stopped rising (``CONVERGED_SLOPE``)."""
+    interval = slope_interval(slopes)
+    return interval is not None and bool(interval[1] <= CONVERGED_SLOPE)
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation over seeds (0 for a single seed)."""
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
@@ -176,9 +190,11 @@ def method_stats(per_seed: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     """A method over its seeds (seed -> run summary): each figure's mean and standard
     deviation, and the per-seed figures."""
     figures = {seed: run_figures(summary) for seed, summary in sorted(per_seed.items())}
+    slopes = [f["slope"] for f in figures.values()]
     return {"seeds": list(figures), "per_seed": figures,
             **{name: mean_std([f[name] for f in figures.values()])
-               for name in ("accuracy", "accuracy_min", "slope", "mb_up", "seconds")}}
+               for name in ("accuracy", "accuracy_min", "slope", "mb_up", "seconds")},
+            "slope_ci95": slope_interval(slopes), "converged": converged(slopes)}
 
 
 def paired_difference(values: Mapping[int, float], reference: Mapping[int, float]

@@ -308,14 +308,6 @@ class LocalFederation:
             control.StopRun(StopRunRequest(run_id=int(run_id)))
 
 
-def gpus_per_client(device: str) -> float:
-    """Each simulated client's share of the GPU for the app's ``device`` key on a federation
-    whose Ray head offers the machine's CPUs, one a client: with ``cuda``, one over the CPUs,
-    so that as many clients train at once as without a GPU, all on it (Ray hides the GPU
-    from a client given no share); else none."""
-    return 1 / (os.cpu_count() or 1) if device.startswith("cuda") else 0.0
-
-
 @contextlib.contextmanager
 def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServer | None = None,
                     ray_address: str | None = None, ray_cpus: int | None = None,

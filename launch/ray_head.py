@@ -36,6 +36,14 @@ HEAD_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_preload_python_modules": WORKER
             "RAY_prestart_worker_first_driver": "0"}
 
 
+def gpus_per_client(device: str) -> float:
+    """Each simulated client's share of the GPU for the app's ``device`` key on a federation
+    whose Ray head offers the machine's CPUs, one a client: with ``cuda``, one over the CPUs,
+    so that as many clients train at once as without a GPU, all on it (Ray hides the GPU
+    from a client given no share); else none."""
+    return 1 / (os.cpu_count() or 1) if device.startswith("cuda") else 0.0
+
+
 class RayHead:
     """``ray start --head --block`` on a free port (context manager); stopped, with every
     process it started, on exit. Its workers import ``WORKER_PRELOAD`` as they start, and

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from comparison.stats import choose, last_rounds_mean, paired_difference, run_figures, slope
+from comparison.report import report_markdown
+from comparison.stats import (
+    choose,
+    last_rounds_mean,
+    method_stats,
+    paired_difference,
+    run_figures,
+    slope,
+)
 from launch.app_project import app_defaults
 from launch.compare import main, parse_row
 from launch.processes import free_port, stop_process_groups
@@ -23,6 +31,37 @@ from tests.conftest import ROOT, read_mlflow_run, wait_for
 
 ARGS = ["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1,2", "--supernodes", "2",
         "num-server-rounds=2", "local-epochs=1", "tracking=tensorboard,mlflow"]
+
+
+def _report_row(slopes: list[float]) -> dict:
+    """A compare row whose seeds' curves rise by these amounts a round over 20 rounds."""
+    runs = {str(seed): {"accuracy_per_round": [0.5 + rise * r for r in range(20)],
+                        "accuracy_min": 0.4, "mb_up_total": 1.0, "seconds_total": 1.0}
+            for seed, rise in enumerate(slopes, 1)}
+    return {"method": "fedavg", "grid": [{}], "chosen": {}, "tuning": [],
+            "curves": {s: r["accuracy_per_round"] for s, r in runs.items()},
+            "rounds": {s: list(range(1, 21)) for s in runs}, **method_stats(runs)}
+
+
+def test_compare_marks_a_row_not_converged_by_the_matrix_rule():
+    """compare and the evidence matrix share one rule (``comparison.stats.converged``): the
+    upper end of the 95% interval of the mean slope over seeds at most 0.1 points a round. A
+    small mean slope spread over seeds is not converged; a steady one is; one seed is not
+    judged."""
+    rows = {"steady": _report_row([0.0005, 0.0006, 0.0004]),
+            "spread": _report_row([0.004, -0.003, 0.0005]),
+            "single": _report_row([0.0])}
+    assert [r["converged"] for r in rows.values()] == [True, False, False]
+    assert rows["spread"]["slope"][0] == pytest.approx(0.0005)
+    summary = {"protocol": {"seeds": [1, 2, 3], "tuning_seed": 0, "selection": "validation",
+                            "validation_fraction": 0.2, "budgets": dict.fromkeys(rows, 1),
+                            "reference": "steady", "margin": -0.01},
+               "rows": rows, "failed": []}
+    lines = {line.split(" | ")[0][2:]: line for line in report_markdown(summary, "compare")
+             .splitlines() if line.startswith("| ") and " | " in line}
+    assert "+0.05 |" in lines["steady"]
+    assert "+0.05 (not converged) |" in lines["spread"]
+    assert "+0.00 (one seed: not judged) |" in lines["single"]
 
 
 def test_paired_difference_gives_the_mean_and_the_t_interval_of_the_per_seed_differences():
@@ -299,6 +338,8 @@ def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
 
 def test_every_row_of_a_plot_has_its_own_colour_and_neighbours_differ_in_line_style():
     """The matrix's scenarios have up to 12 rows: no two may look alike."""
+    from matplotlib.colors import rgb_to_hsv, to_rgb
+
     from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure
 
     rows = {f"method{i}": ([1, 2, 3], [[0.1 * i, 0.2, 0.3], [0.1, 0.2, 0.3]])
@@ -309,8 +350,14 @@ def test_every_row_of_a_plot_has_its_own_colour_and_neighbours_differ_in_line_st
                                      for i, label in enumerate(rows)})
     lines = curves.get_lines()
     assert [line.get_label() for line in lines] == list(rows)
-    colours = [tuple(line.get_color()) for line in lines]
+    colours = [to_rgb(line.get_color()) for line in lines]
     assert len(set(colours)) == 12
+    # nor two of one hue family (FedAvg's dark blue and pFedC's pale blue looked alike):
+    # hues at least 0.03 apart, unless one is grey or black or their brightness differs
+    hsv = [rgb_to_hsv(c) for c in colours]
+    for (h1, s1, v1), (h2, s2, v2) in itertools.combinations(hsv, 2):
+        hue_gap = min(abs(h1 - h2), 1 - abs(h1 - h2))
+        assert hue_gap >= 0.03 or min(s1, s2) < 0.1 or abs(v1 - v2) > 0.25
     styles = [line.get_linestyle() for line in lines]
     assert all(a != b for a, b in itertools.pairwise(styles))
     markers = [c.lines[0].get_marker() for c in points.containers]

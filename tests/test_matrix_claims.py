@@ -13,7 +13,7 @@ from bench.evidence import protocol
 from bench.evidence.claims import claim_line, claims, undecided
 from bench.evidence.report import ablation_table
 from bench.evidence.stats import flag
-from comparison.stats import config_tag, judge_difference
+from comparison.stats import CONVERGED_SLOPE, config_tag, converged, judge_difference
 from tests.conftest import ROOT
 
 
@@ -110,6 +110,9 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
     assert judged[permuted]["paper_effect_excluded"] is True
     assert decomp["superiority"] == "held" and decomp["paper_effect"] is None
     assert decomp["paper_effect_excluded"] is False
+    # a paper number not found says why, never that the paper has none
+    assert ("the paper's number: not found: FedDecomp's tables (arXiv 2406.19931) were not "
+            "reachable here") in claim_line(decomp)
     # FedFac's interval (about -1.5 to +13.9 points) holds its paper's +2.7: not excluded
     assert fedfac["paper_effect"] == pytest.approx(0.0274)
     assert fedfac["paper_effect_excluded"] is False and fedfac["superiority"] == "did not hold"
@@ -305,11 +308,11 @@ def _sloped_row(slopes: list[float]) -> dict:
 def test_a_row_has_converged_when_the_upper_end_of_its_slope_interval_is_within_the_rule():
     """0.1 points a round (a margin per 10 rounds) bounds the interval's upper end, not its
     mean or its lower end: a mean of 0.05 points spread over seeds is not converged."""
-    assert protocol.CONVERGED_SLOPE == 0.001
+    assert CONVERGED_SLOPE == 0.001
     flat = [0.0009, 0.0008, 0.0009, 0.0008, 0.0009]  # upper end about 0.00095
     spread = [0.004, -0.003, 0.003, -0.002, 0.0005]  # mean 0.0005, upper end about 0.0043
-    assert protocol.converged(flat) and not protocol.converged(spread)
-    assert not protocol.converged([0.0])  # one seed: no interval, no judgement
+    assert converged(flat) and not converged(spread)
+    assert not converged([0.0])  # one seed: no interval, no judgement
     assert flag(_sloped_row(flat)) == ""
     assert flag(_sloped_row(spread)).startswith(
         "not converged at round 40: slope over the last 10 rounds +0.05 points a round, 95% "

@@ -22,9 +22,10 @@ from bench.evidence.protocol import (
 )
 from bench.report import RESULTS, numerics, produced_by
 from comparison.runs import RunStore
-from comparison.stats import choose, config_tag, not_diverged, slope
+from comparison.stats import choose, config_tag, converged, not_diverged, slope
 from launch.app_project import app_defaults, app_packages
-from launch.federation import FlowerRun, LocalFederation, gpus_per_client
+from launch.federation import FlowerRun, LocalFederation
+from launch.ray_head import gpus_per_client
 from strategies.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ class Matrix:
     private SuperLink) when there is one. A tuning cell runs ``common`` under ``tuning`` (its
     pool and validation split), a report or ablation cell ``common`` alone. ``num_clients``
     replaces every scenario's own (tests run three). Where ``common``'s device is ``cuda``,
-    each simulated client gets its share of the GPU (``launch.federation.gpus_per_client``)."""
+    each simulated client gets its share of the GPU (``launch.ray_head.gpus_per_client``)."""
 
     def __init__(self, federation: LocalFederation | None, common: dict[str, Any],
                  out: Path = RESULTS, num_clients: int | None = None,
@@ -140,7 +141,7 @@ class Matrix:
                  ) -> tuple[dict[str, Any], bool]:
         """The configuration the row reports, and whether its search is complete: the tuned
         one at the scenario's rounds, with ``num-server-rounds`` doubled while its report
-        seeds have not converged (``protocol.converged``), at most ``MAX_DOUBLINGS`` times.
+        seeds have not converged (``comparison.stats.converged``), at most ``MAX_DOUBLINGS`` times.
         ``may_run``: run each length's missing report seeds on the way."""
         config, tuned, _ = self.report_length(scenario, item, may_run)
         return config, tuned
@@ -157,10 +158,10 @@ class Matrix:
             cells = [self.cell(scenario, item, "report", current, seed, may_run=may_run)
                      for seed in protocol.REPORT_SEEDS]
             last = doubling == protocol.MAX_DOUBLINGS
-            converged = None not in cells and protocol.converged(
+            has_converged = None not in cells and converged(
                 [slope(c["accuracy_per_round"]) for c in cells])
-            if last or converged or None in cells:
-                return current, tuned, last or converged
+            if last or has_converged or None in cells:
+                return current, tuned, last or has_converged
             rounds *= 2
         raise AssertionError("unreachable")
 

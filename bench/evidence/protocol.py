@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from bench.data import ensure_dataset
-from comparison.stats import config_tag, mean_interval
+from comparison.stats import config_tag
 from fldata.sources import idx_pool
 
 POOL_SIZE = 5000       # images drawn from the 60,000: 250 a client, 125 to train and 125 to test
@@ -27,11 +27,10 @@ TUNING_SEED = 0
 REPORT_SEEDS = (1, 2, 3, 4, 5)
 EXTRA_SEEDS = (6, 7, 8, 9, 10)   # for undecided claims only (bench/evidence/claims.py)
 ROUNDS = 40            # a scenario's rounds, unless it sets its own
-# A row has converged when the upper end of the 95% interval (over its report seeds) of its
-# slope over the last 10 rounds is at most this, in accuracy a round: one claim margin (a
-# point) per 10 rounds. A row that has not runs its report seeds again with twice the
-# rounds, at most MAX_DOUBLINGS times (its search stays at the scenario's rounds).
-CONVERGED_SLOPE = 0.001
+# A row has converged by comparison.stats.converged over its report seeds' slopes (the upper
+# end of their 95% interval at most CONVERGED_SLOPE: one claim margin per 10 rounds); a row
+# that has not runs its report seeds again with twice the rounds, at most MAX_DOUBLINGS times
+# (its search stays at the scenario's rounds).
 MAX_DOUBLINGS = 2
 # LeNet-5 (the pFedC paper's MNIST model, with BatchNorm): a third of the CNN's cost on 2
 # cores, so that five report seeds, 40 rounds and the papers' 5 local epochs fit the machine.
@@ -284,17 +283,6 @@ def expand(config: dict[str, Any]) -> dict[str, Any]:
         rank = config["feddecomp.rank"]
         out = {"feddecomp.rank-conv": rank, "feddecomp.rank-linear": rank, **out}
     return out
-
-
-def slope_interval(slopes: list[float]) -> tuple[float, float] | None:
-    """The 95% interval of a row's mean slope over its seeds (None for one seed)."""
-    return mean_interval(slopes)[1]
-
-
-def converged(slopes: list[float]) -> bool:
-    """Whether a row whose report seeds have these slopes has converged."""
-    interval = slope_interval(slopes)
-    return interval is not None and interval[1] <= CONVERGED_SLOPE
 
 
 def learning_rate_stage() -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from bench.evidence.stats import (
 from bench.report import produced_by
 from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 from comparison.stats import (
+    CONVERGED_SLOPE,
     accuracy_difference,
     config_tag,
     last_rounds_mean,
@@ -109,7 +110,7 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                          "validation_fraction": protocol.TUNING["validation-fraction"],
                          "tuning_pool": {"dataset": "fashion-mnist", "size": POOL_SIZE,
                                          "disjoint_from_report_pool": True},
-                         "converged_slope": protocol.CONVERGED_SLOPE,
+                         "converged_slope": CONVERGED_SLOPE,
                          "max_doublings": protocol.MAX_DOUBLINGS,
                          "lr_grid": list(protocol.LR_GRID),
                          "lr_steps_past_the_grid": {"below": list(protocol.LR_BELOW),
@@ -259,7 +260,7 @@ def write_report(matrix: Matrix, command: str) -> str:
         "of pFedC's mean accuracy over tasks, a task a class); min client: the same last-5 "
         "mean for the lowest client; slope: accuracy points per round over the last 10 "
         "rounds, flagged ⚑ where a row has not converged (the upper end of its 95% interval "
-        f"over seeds above {100 * protocol.CONVERGED_SLOPE:+.2f} points a round: a margin per "
+        f"over seeds above {100 * CONVERGED_SLOPE:+.2f} points a round: a margin per "
         "10 rounds; such a row runs its report seeds again with twice the rounds, at most "
         f"{protocol.MAX_DOUBLINGS} times); "
         "uplink and seconds per run (a cross-device cell run at `evaluate-every = 10` leaves "

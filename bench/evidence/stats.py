@@ -8,7 +8,14 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.protocol import Entry
-from comparison.stats import config_tag, last_rounds_mean, mean_std, method_stats
+from comparison.stats import (
+    CONVERGED_SLOPE,
+    config_tag,
+    last_rounds_mean,
+    mean_std,
+    method_stats,
+    slope_interval,
+)
 
 
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:
@@ -64,7 +71,7 @@ def report_seeds_stats(row: dict[str, Any], figure: str = "accuracy") -> tuple[f
 
 def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
     """The 95% interval of the row's mean slope over its report seeds (None for one)."""
-    return protocol.slope_interval([f["slope"] for s, f in row["per_seed"].items()
+    return slope_interval([f["slope"] for s, f in row["per_seed"].items()
                                     if s in protocol.REPORT_SEEDS])
 
 
@@ -73,10 +80,10 @@ def flag(row: dict[str, Any]) -> str:
     interval = slope_ci95(row)
     if interval is None:
         return "one seed: convergence cannot be judged"
-    if interval[1] > protocol.CONVERGED_SLOPE:
+    if interval[1] > CONVERGED_SLOPE:
         return (f"not converged at round {row['num_rounds']}: slope over the "
                 f"last 10 rounds {100 * row['slope'][0]:+.2f} points a round, 95% interval "
                 f"[{100 * interval[0]:+.2f}, {100 * interval[1]:+.2f}] (converged: at most "
-                f"{100 * protocol.CONVERGED_SLOPE:+.2f}; the rounds were doubled at most "
+                f"{100 * CONVERGED_SLOPE:+.2f}; the rounds were doubled at most "
                 f"{protocol.MAX_DOUBLINGS} times)")
     return ""
