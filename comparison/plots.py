@@ -35,7 +35,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 
 
 # A scenario of the evidence matrix has up to 12 rows: matplotlib's ten ``tab10`` colours,
-# then black and dark gold, no two of one hue family (a pale shade of a colour beside it, as
+# then black and navy, no two of one hue family (a pale shade of a colour beside it, as
 # ``tab20``'s, reads as the same row on a busy plot); ``tab20``'s pale shades only beyond 12
 DISTINCT_COLOURS = 12
 
@@ -49,7 +49,7 @@ def row_style(index: int) -> dict[str, Any]:
     if index < 10:
         colour = colormaps["tab10"](index)
     elif index < DISTINCT_COLOURS:
-        colour = ("black", "darkgoldenrod")[index - 10]
+        colour = ("black", "navy")[index - 10]
     else:
         colour = colormaps["tab20"]((2 * (index - DISTINCT_COLOURS)) % 20 + 1)
     return {"color": colour, "linestyle": LINE_STYLES[index % 4],

@@ -111,8 +111,8 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
     assert decomp["superiority"] == "held" and decomp["paper_effect"] is None
     assert decomp["paper_effect_excluded"] is False
     # a paper number not found says why, never that the paper has none
-    assert ("the paper's number: not found: FedDecomp's tables (arXiv 2406.19931) were not "
-            "reachable here") in claim_line(decomp)
+    assert ("no paper number: FedDecomp's tables (arXiv 2406.19931) were not reachable "
+            "here") in claim_line(decomp)
     # FedFac's interval (about -1.5 to +13.9 points) holds its paper's +2.7: not excluded
     assert fedfac["paper_effect"] == pytest.approx(0.0274)
     assert fedfac["paper_effect_excluded"] is False and fedfac["superiority"] == "did not hold"

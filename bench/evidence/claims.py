@@ -67,10 +67,9 @@ FACTORIZED_VS_LOCAL = 0.040
 # Where no paper number is given, why: the papers' result tables were not reachable from this
 # project's machines (only their abstracts are stored), so no number is assumed
 NOT_REACHABLE = {
-    "feddecomp": "not found: FedDecomp's tables (arXiv 2406.19931) were not reachable here",
-    "pfedc": "not found: pFedC's paper (IEEE TMC 2025) is closed access",
-    "factorized-fl": "not found: Factorized-FL's tables (arXiv 2202.00270) were not reachable "
-                     "here",
+    "feddecomp": "FedDecomp's tables (arXiv 2406.19931) were not reachable here",
+    "pfedc": "pFedC's paper (IEEE TMC 2025) is closed access",
+    "factorized-fl": "Factorized-FL's tables (arXiv 2202.00270) were not reachable here",
 }
 
 
@@ -225,7 +224,7 @@ def claim_line(record: dict[str, Any]) -> str:
               if "uplink_share_of_fedavg" in record else "")
     figure = "; task accuracy" if record["figure"] == "task_accuracy" else ""
     if record["paper_effect"] is None:
-        paper = f"the paper's number: {record['paper_source'] or 'none for this comparison'}"
+        paper = f"no paper number: {record['paper_source'] or 'none for this comparison'}"
     else:
         # an interval wholly above the paper's difference is better than the paper reports,
         # not a failure to reproduce it: the side is said

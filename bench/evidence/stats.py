@@ -35,7 +35,10 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
              "grid": [matrix.method_config(scenario, item, c) for c, _ in searched],
              "diverged": [matrix.method_config(scenario, item, c) for c, cell in searched
                           if cell is not None and cell.get("status") == "diverged"],
-             **method_stats(cells), "seeds": len(cells), "cells": list(cells.values())}
+             # convergence is judged on the report seeds only (flag), not over extra seeds
+             **{k: v for k, v in method_stats(cells).items()
+                if k not in ("slope_ci95", "converged")},
+             "seeds": len(cells), "cells": list(cells.values())}
     if all("accuracy_task_per_round" in c for c in cells.values()):
         stats["accuracy_task"] = mean_std([last_rounds_mean(c["accuracy_task_per_round"])
                                            for c in cells.values()])
@@ -72,7 +75,7 @@ def report_seeds_stats(row: dict[str, Any], figure: str = "accuracy") -> tuple[f
 def slope_ci95(row: dict[str, Any]) -> tuple[float, float] | None:
     """The 95% interval of the row's mean slope over its report seeds (None for one)."""
     return slope_interval([f["slope"] for s, f in row["per_seed"].items()
-                                    if s in protocol.REPORT_SEEDS])
+                           if s in protocol.REPORT_SEEDS])
 
 
 def flag(row: dict[str, Any]) -> str:
