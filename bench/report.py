@@ -40,6 +40,13 @@ def numerics() -> str:
             f" kernels), numpy {numpy.__version__}, scipy {scipy.__version__}")
 
 
+def gpu_name() -> str:
+    """The first visible CUDA device's name, or "no CUDA device"."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+
+
 def machine() -> str:
     """What a timing ran on: the GPU, PyTorch and its CUDA, Flower, Python, the CPU cores; and
     the commit ``PFLOWER_COMMIT`` names, where the copy that ran is not a git checkout (a
@@ -47,9 +54,8 @@ def machine() -> str:
     import flwr
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     commit = os.environ.get("PFLOWER_COMMIT", "")
-    return (f"{gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}), flwr "
+    return (f"{gpu_name()}; torch {torch.__version__} (CUDA {torch.version.cuda}), flwr "
             f"{flwr.__version__}, Python {platform.python_version()}, "
             f"{os.cpu_count()} CPU cores" + (f", commit `{commit}`" if commit else ""))
 

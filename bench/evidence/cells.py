@@ -20,7 +20,7 @@ from bench.evidence.protocol import (
     settings_stage,
     with_change,
 )
-from bench.report import RESULTS, numerics, produced_by
+from bench.report import RESULTS, gpu_name, numerics, produced_by
 from comparison.runs import RunStore
 from comparison.stats import choose, config_tag, converged, not_diverged, slope
 from launch.app_project import app_defaults, app_packages
@@ -95,12 +95,9 @@ class Matrix:
                                    gpus_per_client=self.gpus_per_client, timeout=3600)
 
     def _stamp(self) -> dict[str, Any]:
-        import torch
-
         return {"commit": produced_by("pyproject.toml", *app_packages()),
                 "machine": f"{os.cpu_count()} CPU cores, device {self.device}"
-                + (f" ({torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'})"
-                   if self.gpus_per_client else ""),
+                + (f" ({gpu_name()})" if self.gpus_per_client else ""),
                 "numerics": numerics()}
 
     def searched(self, scenario: str, item: Entry, tune: bool
