@@ -15,7 +15,8 @@ import torch
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import write_report
+from bench.evidence.report import ablation_table, write_report
+from bench.evidence.stats import ablation_stats, row_stats
 from common.protocol import NOT_FINITE
 from launch.federation import FlowerRun
 from tests.conftest import ROOT
@@ -193,18 +194,51 @@ class _DivergingFederation:
         return FlowerRun(0, "", "1", "finished:failed", reason)
 
 
-def test_a_diverged_run_is_a_result_of_a_search_or_a_privacy_level_never_of_a_report(
+def test_a_diverged_run_is_a_result_of_a_search_a_privacy_level_or_an_ablation_not_a_report(
         tmp_path):
-    """Under DP noise or at a searched learning rate, diverging is what the configuration
-    does; a report seed that diverged is tried again by the next invocation."""
+    """Under DP noise, at a searched learning rate or with an ablation's change, diverging is
+    what the configuration does; a report seed that diverged is tried again by the next
+    invocation."""
     matrix = Matrix(_DivergingFederation(), COMMON_DIGITS, tmp_path, num_clients=3)
     item = next(e for e in SCENARIOS[SCENARIO].entries if e.label == "fedavg")
     for stage in ("tune", "privacy", "report", "ablation"):
         cell = matrix.cell(SCENARIO, item, stage, {"lr": 0.3}, 1)
         kept = protocol.cell_path(tmp_path, SCENARIO, "fedavg", stage, {"lr": 0.3}, 1).exists()
-        assert (cell is not None, kept) == ((True, True) if stage in ("tune", "privacy")
-                                            else (False, False)), stage
+        assert (cell is not None, kept) == ((False, False) if stage == "report"
+                                            else (True, True)), stage
         assert cell is None or cell["status"] == "diverged"
+
+
+def test_an_ablation_that_diverged_on_a_seed_is_judged_on_the_others_and_names_it(
+        tmp_path, monkeypatch):
+    """The seed it diverged on is said, and the paired difference is over the seeds that
+    finished; diverged on every seed, it has no figure."""
+    offline, item, tuned = _tuned_fedavg(tmp_path)
+    probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "why?")
+    monkeypatch.setattr(protocol, "ABLATIONS", [probe])
+    _report(offline, item, tuned, protocol.REPORT_SEEDS)  # flat at 0.5: converged
+    changed = {**tuned, "lr": 0.5}
+    *finished, last = protocol.REPORT_SEEDS
+    for seed in finished:
+        _store(offline, SCENARIO, item, changed, [0.6, 0.6], stage="ablation", seed=seed)
+    diverging = Matrix(_DivergingFederation(), COMMON_DIGITS, tmp_path, num_clients=3)
+    assert diverging.cell(SCENARIO, item, "ablation", changed, last)["status"] == "diverged"
+
+    stats = {SCENARIO: {"fedavg": row_stats(offline, SCENARIO, item)}}
+    [result] = ablation_stats(offline, stats).values()
+    assert (result["seeds"], result["diverged_seeds"]) == (len(finished), [last])
+    assert sorted(result["per_seed"]) == finished
+    line = ablation_table({("k",): result}, []).splitlines()[-1]
+    assert f"| {len(finished)}, diverged on seed {last} | 0.6000 ± 0.0000 |" in line
+    assert line.endswith("| +10.0 [+10.0, +10.0] |")  # over the seeds that finished
+
+    for seed in finished:  # every seed diverged
+        protocol.cell_path(tmp_path, SCENARIO, "fedavg", "ablation", changed, seed).unlink()
+        diverging.cell(SCENARIO, item, "ablation", changed, seed)
+    [result] = ablation_stats(offline, stats).values()
+    assert (result["seeds"], result["accuracy"]) == (0, None)
+    assert "| diverged on every seed | | 0.5000 | no common seed |" in ablation_table(
+        {("k",): result}, []).splitlines()[-1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")

@@ -203,7 +203,8 @@ def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
     def table(per_seed: list[float], seeds: list[int]) -> str:
         ablation = {seed: {"accuracy": a} for seed, a in zip(seeds, per_seed, strict=True)}
         return ablation_table({("dirichlet-0.1", "feddecomp", "feddecomp.rank=1.0"): {
-            "ablation": probe, "row": row, "seeds": len(seeds), "per_seed": ablation,
+            "ablation": probe, "row": row, "seeds": len(seeds), "diverged_seeds": [],
+            "per_seed": ablation,
             "accuracy": (statistics.fmean(per_seed), 0.0), "accuracy_min": (0.5, 0.0)}}, [])
 
     shifted = [a["accuracy"] + g for a, g in zip(row["per_seed"].values(), gains, strict=True)]

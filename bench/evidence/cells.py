@@ -76,7 +76,9 @@ class Matrix:
              seed: int, may_run: bool = True) -> dict[str, Any] | None:
         """The stored cell, if it is current (``comparison.runs``: today's protocol,
         defaults and number of clients); else run it (``may_run``). A tuning or privacy
-        cell that diverged is a result, stored as such."""
+        cell that diverged is a result, stored as such, and so is an ablation's: diverging
+        is what its change does, and running it again until it does not would report the
+        lucky run."""
         path = cell_path(self.out, scenario, item.label, stage, config, seed, self.device)
         cells = self.out / "matrix" / cells_folder(self.device)
         out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
@@ -87,7 +89,7 @@ class Matrix:
                    "config": config, "seed": seed},
             context={"num_clients": self.clients(scenario)},
             may_run=may_run and self.federation is not None,
-            diverged_is_result=stage in ("tune", "privacy"))
+            diverged_is_result=stage in ("tune", "privacy", "ablation"))
 
     def _run(self, run_config: dict[str, Any], context: dict[str, Any]) -> FlowerRun:
         assert self.federation is not None

@@ -151,12 +151,18 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
               for a in redundant]
     for result in ablated.values():
         ablation, row = result["ablation"], result["row"]
-        mean, std = result["accuracy"]
+        diverged = result["diverged_seeds"]
+        seeds = str(result["seeds"]) + (
+            f", diverged on seed {', '.join(map(str, diverged))}" if diverged else "")
+        if result["accuracy"] is None:
+            figures = "diverged on every seed |"
+        else:
+            mean, std = result["accuracy"]
+            figures = f"{mean:.4f} ± {std:.4f} | {result['accuracy_min'][0]:.4f}"
         difference = accuracy_difference(result, row)
         lines.append(
             f"| {ablation.scenario}/{ablation.label} ({row['config']}) | "
-            f"{config_tag(ablation.change)} | {ablation.question} | {result['seeds']} | "
-            f"{mean:.4f} ± {std:.4f} | {result['accuracy_min'][0]:.4f} | "
+            f"{config_tag(ablation.change)} | {ablation.question} | {seeds} | {figures} | "
             f"{row['accuracy'][0]:.4f} | "
             f"{'no common seed' if difference is None else points(difference)} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""

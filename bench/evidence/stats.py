@@ -47,17 +47,20 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
 
 def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
                    ) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """Each ablation whose row is in the report, over its report seeds; keyed by scenario,
-    row label and the change's tag."""
+    """Each ablation whose row is in the report, over its report seeds that finished, and
+    the seeds it diverged on; keyed by scenario, row label and the change's tag."""
     out = {}
     for ablation in protocol.ABLATIONS:
         row = stats.get(ablation.scenario, {}).get(ablation.label)
         cells = matrix.ablation(ablation, may_run=False)
         if row is None or not cells:
             continue
-        figures = method_stats({c["seed"]: c for c in cells})
+        finished = {c["seed"]: c for c in cells if c.get("status") != "diverged"}
+        figures = method_stats(finished) if finished else {
+            "per_seed": {}, "accuracy": None, "accuracy_min": None}
         out[(ablation.scenario, ablation.label, config_tag(ablation.change))] = {
-            "ablation": ablation, "row": row, "seeds": len(cells),
+            "ablation": ablation, "row": row, "seeds": len(finished),
+            "diverged_seeds": sorted(c["seed"] for c in cells if c.get("status") == "diverged"),
             "per_seed": figures["per_seed"], "accuracy": figures["accuracy"],
             "accuracy_min": figures["accuracy_min"]}
     return out
