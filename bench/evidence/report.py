@@ -153,7 +153,8 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
         ablation, row = result["ablation"], result["row"]
         diverged = result["diverged_seeds"]
         seeds = str(result["seeds"]) + (
-            f", diverged on seed {', '.join(map(str, diverged))}" if diverged else "")
+            f", diverged on seed{'s' * (len(diverged) > 1)} {', '.join(map(str, diverged))}"
+            if diverged else "")
         if result["accuracy"] is None:
             figures = "diverged on every seed |"
         else:
