@@ -63,7 +63,8 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
     }
     same_size = config_tag(protocol.SAME_SIZE_RANDOM_SPLIT)
     ablated = {("dirichlet-0.1", "fedfac", same_size): {
-        "seeds": 5, "per_seed": stats["dirichlet-0.1"]["fedfac"]["per_seed"]}}
+        "seeds": 5, "per_seed": stats["dirichlet-0.1"]["fedfac"]["per_seed"],
+        "diverged_seeds": []}}
     judged = {c["claim"]: c for c in claims(stats, ablated)}
     decomp = judged["FedDecomp >= FedAvg + 5 points on Dirichlet 0.1"]
     assert decomp["verdict"] == "held" and decomp["reference"] == "fedavg"
@@ -81,6 +82,21 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
              "on Dirichlet 0.1")
     assert judged[split.format("fedfac")]["verdict"] == "held"
     assert judged[split.format("fedfac@dynamic")]["verdict"] == "not measured"
+    # a random split that diverged on seed 3 is judged on the other four, and says so
+    split_seeds = stats["dirichlet-0.1"]["fedfac"]["per_seed"]
+    diverging = {("dirichlet-0.1", "fedfac", same_size): {
+        "seeds": 4, "per_seed": {s: f for s, f in split_seeds.items() if s != 3},
+        "diverged_seeds": [3]}}
+    record = {c["claim"]: c for c in claims(stats, diverging)}[split.format("fedfac")]
+    assert (record["verdict"], len(record["paired_diffs"])) == ("held", 4)
+    assert claim_line(record).endswith("; the reference diverged on seed 3: not paired)")
+    # on every seed: nothing to pair, and the line says why
+    diverging[("dirichlet-0.1", "fedfac", same_size)].update(
+        per_seed={}, diverged_seeds=list(protocol.REPORT_SEEDS))
+    record = {c["claim"]: c for c in claims(stats, diverging)}[split.format("fedfac")]
+    assert record["verdict"] == "not measured"
+    assert "(rows missing or incomplete; the reference diverged on seeds 1, 2" in claim_line(
+        record)
     # the best baseline needs every baseline's row; then it is FedRep, the highest mean
     best_baseline = "feddecomp not below the best baseline by more than 1 point on dirichlet-0.1"
     assert judged[best_baseline]["verdict"] == "not measured"

@@ -150,9 +150,12 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
     if claim.same_size_random_split:
         found = (ablated or {}).get((claim.scenario, claim.method,
                                      config_tag(SAME_SIZE_RANDOM_SPLIT)))
+        # a seed the random split diverged on pairs with nothing: said in the claim's line
+        record["reference_diverged_seeds"] = found["diverged_seeds"] if found else []
         reference = ({"label": f"{claim.method}, {config_tag(SAME_SIZE_RANDOM_SPLIT)}",
                       "per_seed": found["per_seed"]}
-                     if found and set(protocol.REPORT_SEEDS) <= set(found["per_seed"])
+                     if found and found["per_seed"] and set(protocol.REPORT_SEEDS)
+                     <= set(found["per_seed"]) | set(found["diverged_seeds"])
                      else None)
     else:
         candidates = [(label, rows.get(label)) for label in claim.reference
@@ -217,8 +220,11 @@ def undecided(judged: list[dict[str, Any]]) -> set[tuple[str, str]]:
 def claim_line(record: dict[str, Any]) -> str:
     """One claim as a line of the report: its verdict, the superiority verdict, and the
     paper's own difference beside the interval."""
+    diverged = record.get("reference_diverged_seeds")
+    diverged = (f"; the reference diverged on seed{'s' * (len(diverged) > 1)} "
+                f"{', '.join(map(str, diverged))}: not paired" if diverged else "")
     if record["verdict"] == "not measured":
-        return f"- {record['claim']}: **not measured** (rows missing or incomplete)"
+        return f"- {record['claim']}: **not measured** (rows missing or incomplete{diverged})"
     low, high = record["ci95"]
     uplink = (f"; uplink {100 * record['uplink_share_of_fedavg']:.1f}% of FedAvg's a round"
               if "uplink_share_of_fedavg" in record else "")
@@ -239,4 +245,4 @@ def claim_line(record: dict[str, Any]) -> str:
             f"{figure}: {100 * record['mean_diff']:+.1f} points, 95% interval "
             f"[{100 * low:+.1f}, {100 * high:+.1f}] over {len(record['paired_diffs'])} seeds, "
             f"{record['interval']} {100 * record['margin']:+.0f}{uplink}; better at all: "
-            f"{record['superiority']}; {paper}{unconverged})")
+            f"{record['superiority']}; {paper}{unconverged}{diverged})")
