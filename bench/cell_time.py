@@ -39,7 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=2)
     args = parser.parse_args()
-    paths = sorted((RESULTS / "matrix" / "cells").rglob("*.json"))[:args.cells]
+    # a diverged cell (an ablation's, a search's) stops early and has no accuracy to compare
+    paths = [path for path in sorted((RESULTS / "matrix" / "cells").rglob("*.json"))
+             if json.loads(path.read_text()).get("status") != "diverged"][:args.cells]
     cells = [json.loads(path.read_text()) for path in paths]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warm_federation() as warm:
