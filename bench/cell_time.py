@@ -40,9 +40,10 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=2)
     args = parser.parse_args()
     # a diverged cell (an ablation's, a search's) stops early and has no accuracy to compare
-    paths = [path for path in sorted((RESULTS / "matrix" / "cells").rglob("*.json"))
-             if json.loads(path.read_text()).get("status") != "diverged"][:args.cells]
-    cells = [json.loads(path.read_text()) for path in paths]
+    stored = {path: json.loads(path.read_text())
+              for path in sorted((RESULTS / "matrix" / "cells").rglob("*.json"))}
+    paths = [path for path, cell in stored.items() if cell.get("status") != "diverged"]
+    cells = [stored[path] for path in paths[:args.cells]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warm_federation() as warm:
         first = cells[0]

@@ -176,6 +176,14 @@ def not_diverged(tried: Sequence[tuple[Any, Mapping[str, Any]]]
     return [pair for pair in tried if pair[1].get("status") != "diverged"]
 
 
+def by_seed_finished(cells: Sequence[Mapping[str, Any]]
+                     ) -> tuple[dict[int, Mapping[str, Any]], list[int]]:
+    """Runs of one configuration over seeds (each with its ``seed``): those that finished, by
+    seed (``method_stats``'s input), and the seeds of those that diverged (no accuracy)."""
+    finished = {c["seed"]: c for c in cells if c.get("status") != "diverged"}
+    return finished, sorted(c["seed"] for c in cells if c.get("status") == "diverged")
+
+
 def choose(tried: Sequence[tuple[Any, Mapping[str, Any]]]) -> Any:
     """Of ``(configuration, tuning run summary)`` pairs, the configuration with the highest
     ``selection_figure`` (the first of equals); a run that diverged (``"status":
@@ -241,6 +249,11 @@ def accuracy_difference(method: Mapping[str, Any], reference: Mapping[str, Any],
     return paired_difference({s: f[figure] for s, f in method["per_seed"].items()},
                              {s: f[figure] for s, f in reference["per_seed"].items()})
 
+
+
+def seeds_named(seeds: Sequence[int]) -> str:
+    """``seed 3``, ``seeds 1, 2``: seeds as a line of a report names them."""
+    return f"seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
 
 
 def points(difference: Mapping[str, Any]) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
 from bench.evidence.stats import flag, report_seeds_stats
-from comparison.stats import accuracy_difference, config_tag, judge_difference
+from comparison.stats import accuracy_difference, config_tag, judge_difference, seeds_named
 
 BEST_BASELINE = BASELINES
 
@@ -221,8 +221,8 @@ def claim_line(record: dict[str, Any]) -> str:
     """One claim as a line of the report: its verdict, the superiority verdict, and the
     paper's own difference beside the interval."""
     diverged = record.get("reference_diverged_seeds")
-    diverged = (f"; the reference diverged on seed{'s' * (len(diverged) > 1)} "
-                f"{', '.join(map(str, diverged))}: not paired" if diverged else "")
+    diverged = (f"; the reference diverged on {seeds_named(diverged)}: not paired"
+                if diverged else "")
     if record["verdict"] == "not measured":
         return f"- {record['claim']}: **not measured** (rows missing or incomplete{diverged})"
     low, high = record["ci95"]

@@ -18,7 +18,7 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from comparison.plots import figure, row_style, save
-from comparison.stats import accuracy_difference, method_stats, points
+from comparison.stats import accuracy_difference, by_seed_finished, method_stats, points
 
 Level = dict[str, Any]
 
@@ -33,7 +33,7 @@ def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
         cells, clean = matrix.privacy(entry, may_run=False)
         if not cells:
             continue
-        private = {c["seed"]: c for c in cells if c.get("status") != "diverged"}
+        private, diverged = by_seed_finished(cells)
         spent = [c["privacy"] for c in cells if "privacy" in c]  # diverged ones spent it too
         row = out.setdefault(entry.scenario, {}).setdefault(entry.label, {"levels": {}})
         if clean and "none" not in row:  # the same cells for every level
@@ -42,7 +42,7 @@ def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
             **(method_stats(private) if private else {}),
             "epsilon": max((p["epsilon"] for p in spent), default=None),
             "delta": spent[0]["delta"] if spent else None,
-            "diverged": sorted(c["seed"] for c in cells if c.get("status") == "diverged")}
+            "diverged": diverged}
     return out
 
 

@@ -28,6 +28,7 @@ from comparison.stats import (
     config_tag,
     last_rounds_mean,
     points,
+    seeds_named,
 )
 
 # Where a method here differs from its paper in a way that could move one of its verdicts;
@@ -152,9 +153,8 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
     for result in ablated.values():
         ablation, row = result["ablation"], result["row"]
         diverged = result["diverged_seeds"]
-        seeds = str(result["seeds"]) + (
-            f", diverged on seed{'s' * (len(diverged) > 1)} {', '.join(map(str, diverged))}"
-            if diverged else "")
+        seeds = str(result["seeds"]) + (f", diverged on {seeds_named(diverged)}"
+                                         if diverged else "")
         if result["accuracy"] is None:
             figures = "diverged on every seed |"
         else:

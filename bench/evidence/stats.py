@@ -10,6 +10,7 @@ from bench.evidence.cells import Matrix
 from bench.evidence.protocol import Entry
 from comparison.stats import (
     CONVERGED_SLOPE,
+    by_seed_finished,
     config_tag,
     last_rounds_mean,
     mean_std,
@@ -55,12 +56,11 @@ def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
         cells = matrix.ablation(ablation, may_run=False)
         if row is None or not cells:
             continue
-        finished = {c["seed"]: c for c in cells if c.get("status") != "diverged"}
+        finished, diverged = by_seed_finished(cells)
         figures = method_stats(finished) if finished else {
             "per_seed": {}, "accuracy": None, "accuracy_min": None}
         out[(ablation.scenario, ablation.label, config_tag(ablation.change))] = {
-            "ablation": ablation, "row": row, "seeds": len(finished),
-            "diverged_seeds": sorted(c["seed"] for c in cells if c.get("status") == "diverged"),
+            "ablation": ablation, "row": row, "seeds": len(finished), "diverged_seeds": diverged,
             "per_seed": figures["per_seed"], "accuracy": figures["accuracy"],
             "accuracy_min": figures["accuracy_min"]}
     return out
