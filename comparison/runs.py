@@ -17,8 +17,9 @@ one staleness rule):
   sets the data split) equals today's.
 
 A run that failed is not stored (the next invocation tries it again), except a diverged one
-where the caller says divergence is a result (a searched configuration that cannot be
-chosen; a run under DP noise; an ablation's change). A run diverged where its clients'
+where the caller says divergence is a result (the evidence matrix, at every stage: a
+searched configuration that cannot be chosen, a run under DP noise, an ablation's change, a
+report seed of a configuration chosen on another scenario). A run diverged where its clients'
 losses or arrays stopped being finite: all of them (the run failed), or some of them in the
 rounds its figure is computed on, the last ``LAST_ROUNDS`` evaluated ones (the run
 completed, but its accuracy is over the clients that survived, once 1.0 over a single

@@ -194,19 +194,50 @@ class _DivergingFederation:
         return FlowerRun(0, "", "1", "finished:failed", reason)
 
 
-def test_a_diverged_run_is_a_result_of_a_search_a_privacy_level_or_an_ablation_not_a_report(
-        tmp_path):
-    """Under DP noise, at a searched learning rate or with an ablation's change, diverging is
-    what the configuration does; a report seed that diverged is tried again by the next
-    invocation."""
+def test_a_diverged_run_is_a_result_at_every_stage(tmp_path):
+    """Under DP noise, at a searched learning rate, with an ablation's change or at a
+    configuration chosen on another scenario, diverging is what the configuration does: a run
+    here is the same run again, so running it again would only diverge again."""
     matrix = Matrix(_DivergingFederation(), COMMON_DIGITS, tmp_path, num_clients=3)
     item = next(e for e in SCENARIOS[SCENARIO].entries if e.label == "fedavg")
     for stage in ("tune", "privacy", "report", "ablation"):
         cell = matrix.cell(SCENARIO, item, stage, {"lr": 0.3}, 1)
-        kept = protocol.cell_path(tmp_path, SCENARIO, "fedavg", stage, {"lr": 0.3}, 1).exists()
-        assert (cell is not None, kept) == ((False, False) if stage == "report"
-                                            else (True, True)), stage
-        assert cell is None or cell["status"] == "diverged"
+        assert cell["status"] == "diverged", stage
+        assert protocol.cell_path(tmp_path, SCENARIO, "fedavg", stage, {"lr": 0.3}, 1).exists()
+
+
+def test_a_row_that_diverged_on_a_report_seed_stops_doubling_and_is_reported_naming_it(
+        tmp_path):
+    """Still rising on the seeds that finished, the row is settled at the length a seed
+    diverged at; its figures are over the others, the report names the seed; diverged on every
+    seed, it is named, not listed as not run."""
+    offline, item, tuned = _tuned_fedavg(tmp_path)
+    *finished, last = protocol.REPORT_SEEDS
+    _report(offline, item, tuned, finished, rising=0.01)  # a point a round: not converged
+    assert offline.reported(SCENARIO, item) == (tuned, True)  # waits for its last seed
+    diverging = Matrix(_DivergingFederation(), COMMON_DIGITS, tmp_path, num_clients=3)
+    diverging.cell(SCENARIO, item, "report", tuned, last)
+    assert offline.report_length(SCENARIO, item) == (tuned, True, True)  # not doubled
+
+    row = row_stats(offline, SCENARIO, item)
+    assert (row["seeds"], row["diverged_seeds"], sorted(row["per_seed"])) == (
+        len(finished), [last], finished)
+    report = write_report(offline, "test")
+    assert f"| {len(finished)}, diverged on seed {last} | 0.5050 ± 0.0000 |" in report
+    assert f"- {SCENARIO}/fedavg (lr={tuned['lr']}, 2 rounds): diverged on seed {last}" \
+        in report
+    summary = json.loads((tmp_path / "matrix" / "summary.json").read_text())
+    assert summary["rows"][f"{SCENARIO}/fedavg"]["diverged_seeds"] == [last]
+
+    for seed in finished:  # every seed diverged
+        protocol.cell_path(tmp_path, SCENARIO, "fedavg", "report", tuned, seed).unlink()
+        diverging.cell(SCENARIO, item, "report", tuned, seed)
+    report = write_report(offline, "test")
+    every = ", ".join(map(str, protocol.REPORT_SEEDS))
+    assert f"- {SCENARIO}/fedavg (lr={tuned['lr']}, 2 rounds): diverged on seeds {every}" \
+        in report
+    not_run = report.split("## Not run yet\n\n")[1].split("\n\n")[0].split(", ")
+    assert f"{SCENARIO}/fedavg" not in not_run and f"{SCENARIO}/fedper" in not_run
 
 
 def test_an_ablation_that_diverged_on_a_seed_is_judged_on_the_others_and_names_it(

@@ -245,9 +245,10 @@ def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
 def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_holds_0():
     from bench.evidence.pick import pick_table, picks
 
-    def row(label: str, per_seed: list[float], slope: float = 0.0, mb_up: float = 10.0
-            ) -> dict:
+    def row(label: str, per_seed: list[float], slope: float = 0.0, mb_up: float = 10.0,
+            diverged_seeds: tuple[int, ...] = ()) -> dict:
         return {"label": label, "tuned": True, "num_rounds": 40,
+                "diverged_seeds": list(diverged_seeds),
                 "per_seed": {seed: {"accuracy": a, "slope": slope}
                              for seed, a in enumerate(per_seed, 1)},
                 "accuracy": (statistics.fmean(per_seed), statistics.stdev(per_seed)),
@@ -295,6 +296,16 @@ def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_hol
     # a row still missing report seeds may be the best so far, but only provisionally
     stats["dirichlet-0.1"]["fedper"] = row("fedper", best[:3], mb_up=40.0)
     assert "fedper" in picks(stats)["dirichlet-0.1"]["provisional"]
+    # a row that diverged on a report seed is never picked, however high the seeds that
+    # finished: it is named
+    stats["dirichlet-0.1"]["fedper"] = row("fedper", best, mb_up=40.0)
+    stats["dirichlet-0.1"]["fedavg"] = row("fedavg", [0.95, 0.95, 0.96], diverged_seeds=(4, 5))
+    picked = picks(stats)
+    assert (picked["dirichlet-0.1"]["best"], picked["dirichlet-0.1"]["diverged"]) == (
+        "fedper", ["fedavg"])
+    assert "fedavg" not in picked["dirichlet-0.1"]["tied"]
+    assert "diverged on a report seed, not picked: fedavg)" in pick_table(
+        picked, stats).splitlines()[-1]
 
 
 @pytest.mark.parametrize(("ci95", "verdict", "superiority", "interval"), [

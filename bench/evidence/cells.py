@@ -22,7 +22,14 @@ from bench.evidence.protocol import (
 )
 from bench.report import RESULTS, gpu_name, numerics, produced_by
 from comparison.runs import RunStore
-from comparison.stats import choose, config_tag, converged, not_diverged, slope
+from comparison.stats import (
+    by_seed_finished,
+    choose,
+    config_tag,
+    converged,
+    not_diverged,
+    slope,
+)
 from launch.app_project import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation
 from launch.ray_head import gpus_per_client
@@ -75,10 +82,11 @@ class Matrix:
     def cell(self, scenario: str, item: Entry, stage: str, config: dict[str, Any],
              seed: int, may_run: bool = True) -> dict[str, Any] | None:
         """The stored cell, if it is current (``comparison.runs``: today's protocol,
-        defaults and number of clients); else run it (``may_run``). A tuning or privacy
-        cell that diverged is a result, stored as such, and so is an ablation's: diverging
-        is what its change does, and running it again until it does not would report the
-        lucky run."""
+        defaults and number of clients); else run it (``may_run``). A cell that diverged
+        is a result, stored as such, at every stage: a run here is the same run again
+        (``numerics``), so running it again would diverge again, and running it until it
+        does not would report the lucky run. A report seed can diverge where a row runs a
+        configuration chosen on another scenario (``searched_on``)."""
         path = cell_path(self.out, scenario, item.label, stage, config, seed, self.device)
         cells = self.out / "matrix" / cells_folder(self.device)
         out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
@@ -88,8 +96,7 @@ class Matrix:
             about={"scenario": scenario, "label": item.label, "stage": stage,
                    "config": config, "seed": seed},
             context={"num_clients": self.clients(scenario)},
-            may_run=may_run and self.federation is not None,
-            diverged_is_result=stage in ("tune", "privacy", "ablation"))
+            may_run=may_run and self.federation is not None, diverged_is_result=True)
 
     def _run(self, run_config: dict[str, Any], context: dict[str, Any]) -> FlowerRun:
         assert self.federation is not None
@@ -148,8 +155,9 @@ class Matrix:
     def report_length(self, scenario: str, item: Entry, may_run: bool = False
                       ) -> tuple[dict[str, Any], bool, bool]:
         """``reported``'s two, and whether the length is settled: its report seeds converged
-        there, or it is the last doubling (a missing seed at an earlier length may still
-        double it)."""
+        there, one of them diverged there (more rounds would not undo that: the row is
+        reported at that length, the seed named), or it is the last doubling (a missing seed
+        at an earlier length may still double it)."""
         config, tuned = self.tuned(scenario, item, tune=False)
         rounds = self._resolved(scenario, item, config)["num-server-rounds"]
         for doubling in range(protocol.MAX_DOUBLINGS + 1):
@@ -157,10 +165,12 @@ class Matrix:
             cells = [self.cell(scenario, item, "report", current, seed, may_run=may_run)
                      for seed in protocol.REPORT_SEEDS]
             last = doubling == protocol.MAX_DOUBLINGS
-            has_converged = None not in cells and converged(
-                [slope(c["accuracy_per_round"]) for c in cells])
-            if last or has_converged or None in cells:
-                return current, tuned, last or has_converged
+            if None in cells:
+                return current, tuned, last
+            finished, diverged = by_seed_finished(cells)
+            if diverged or last or converged(
+                    [slope(c["accuracy_per_round"]) for c in finished.values()]):
+                return current, tuned, True
             rounds *= 2
         raise AssertionError("unreachable")
 

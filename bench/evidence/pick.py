@@ -1,8 +1,9 @@
 """What to pick, per scenario: the row with the best accuracy over the report seeds (which
 every complete row has; one still missing some is marked provisional), and the rows
 statistically tied with it (the 95% interval of their paired difference against it, over the
-seeds both ran, does not exclude 0), with each one's uplink. The table the report, and the
-README's benchmark section, open with."""
+seeds both ran, does not exclude 0), with each one's uplink. A row that diverged on a report
+seed is never picked (a user running it may meet that split), only named. The table the
+report, and the README's benchmark section, open with."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ from comparison.stats import accuracy_difference, points
 def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """scenario -> the best row's label, the tied rows' paired differences against it (label
     -> ``paired_difference``), the scenario's rows not in yet (no cells, or no interval against
-    the best), and the picked rows that had not converged or finished their search."""
+    the best), the picked rows that had not converged or finished their search, and the rows
+    that diverged on a report seed."""
     out = {}
     for scenario, rows in stats.items():
-        ranked = sorted(rows.values(), key=lambda r: report_seeds_stats(r)[0], reverse=True)
+        ranked = sorted((r for r in rows.values() if not r["diverged_seeds"]),
+                        key=lambda r: report_seeds_stats(r)[0], reverse=True)
+        if not ranked:
+            continue
         best = ranked[0]
         differences = {r["label"]: accuracy_difference(r, best) for r in ranked[1:]}
         # a row without an interval against the best (a single common seed) is not judged yet
@@ -33,7 +38,8 @@ def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
             "missing": [e.label for e in SCENARIOS[scenario].entries if e.label not in rows]
             + unjudged,
             "provisional": [label for label in picked
-                            if not complete(rows[label]) or flag(rows[label])]}
+                            if not complete(rows[label]) or flag(rows[label])],
+            "diverged": [r["label"] for r in rows.values() if r["diverged_seeds"]]}
     return out
 
 
@@ -52,7 +58,9 @@ def pick_table(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dic
         notes = ([f"not in yet: {', '.join(pick['missing'])}"] if pick["missing"] else []) + (
             [f"still provisional (search, seeds or convergence): "
              f"{', '.join(pick['provisional'])}"]
-            if pick["provisional"] else [])
+            if pick["provisional"] else []) + (
+            [f"diverged on a report seed, not picked: {', '.join(pick['diverged'])}"]
+            if pick["diverged"] else [])
         lines.append(f"| {scenario} | **{pick['best']}**: {100 * mean:.1f} ± {100 * std:.1f}, "
                      f"{best['mb_up'][0]:.0f} MB | {tied}"
                      + (f" ({'; '.join(notes)})" if notes else "") + " |")

@@ -36,8 +36,9 @@ def privacy_stats(matrix: Matrix) -> dict[str, dict[str, dict[str, Any]]]:
         private, diverged = by_seed_finished(cells)
         spent = [c["privacy"] for c in cells if "privacy" in c]  # diverged ones spent it too
         row = out.setdefault(entry.scenario, {}).setdefault(entry.label, {"levels": {}})
-        if clean and "none" not in row:  # the same cells for every level
-            row["none"] = method_stats({c["seed"]: c for c in clean})
+        finished = by_seed_finished(clean)[0]
+        if finished and "none" not in row:  # the same cells for every level
+            row["none"] = method_stats(finished)
         row["levels"][entry.change["dp.noise-multiplier"]] = {
             **(method_stats(private) if private else {}),
             "epsilon": max((p["epsilon"] for p in spent), default=None),

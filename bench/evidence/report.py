@@ -66,7 +66,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                   else f"{r['config']} (not tuned yet)")
         task = f"{r['accuracy_task'][0]:.4f}" if "accuracy_task" in r else "-"
         slope = f"{100 * r['slope'][0]:+.2f}" + (" ⚑" if flag(r) else "")
-        lines.append(f"| {r['label']} | {config} | {r['seeds']} | "
+        seeds = str(r["seeds"]) + (f", diverged on {seeds_named(r['diverged_seeds'])}"
+                                   if r["diverged_seeds"] else "")
+        lines.append(f"| {r['label']} | {config} | {seeds} | "
                      f"{r['accuracy'][0]:.4f} ± {r['accuracy'][1]:.4f} | {task} | "
                      f"{r['accuracy_min'][0]:.4f} | {slope} | "
                      f"{r['mb_up'][0]:.2f} | {r['seconds'][0]:.0f} |")
@@ -87,7 +89,7 @@ def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
                 "rounds": r["num_rounds"],
                 "lr_grid": searched_rates(r), "grid": r["grid"],
                 "lr_at_grid_end": lr_at_grid_end(r),
-                "diverged": r["diverged"],
+                "diverged": r["diverged"], "diverged_seeds": r["diverged_seeds"],
                 "chosen": r["chosen"], "tuned": r["tuned"],
                 "searched_on": SCENARIOS[scenario].searched_on or scenario,
                 "per_seed": {str(c["seed"]): {"last5": r["per_seed"][c["seed"]]["accuracy"],
@@ -210,10 +212,10 @@ def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
 def judged(matrix: Matrix) -> tuple[dict[str, dict[str, dict[str, Any]]],
                                     dict[tuple[str, str, str], dict[str, Any]],
                                     list[dict[str, Any]]]:
-    """From the cells present: every row's statistics by scenario, the ablations', and the
-    claims judged on them."""
+    """From the cells present: the statistics of every row with a report seed that finished,
+    by scenario, the ablations', and the claims judged on them."""
     stats = {s: {e.label: r for e in scenario.entries
-                 if (r := row_stats(matrix, s, e)) is not None}
+                 if (r := row_stats(matrix, s, e)) is not None and r["seeds"]}
              for s, scenario in SCENARIOS.items()}
     stats = {s: rows for s, rows in stats.items() if rows}
     ablated = ablation_stats(matrix, stats)
@@ -318,8 +320,19 @@ def write_report(matrix: Matrix, command: str) -> str:
                   "the delta shown in `matrix/summary.json`, the most any run of the level "
                   "spent. Without DP: the row's report seeds at the same configuration and "
                   "rounds.\n\n", privacy_tables(private), "\n"]
-    missing = [f"{s}/{e.label}" for s, scenario in SCENARIOS.items() for e in scenario.entries
-               if e.label not in stats.get(s, {})]
+    # a row not in stats either has no report cell yet or diverged on every report seed
+    absent = {f"{s}/{e.label}": row_stats(matrix, s, e) for s, scenario in SCENARIOS.items()
+              for e in scenario.entries if e.label not in stats.get(s, {})}
+    diverged = [(f"{s}/{label}", r) for s, rows in stats.items() for label, r in rows.items()
+                if r["diverged_seeds"]] + [(name, r) for name, r in absent.items() if r]
+    if diverged:
+        parts += ["## Rows that diverged on a report seed\n\nA report seed that diverged is "
+                  "stored as such: the row is reported at that length over the seeds that "
+                  "finished, is never picked, and a claim on it is not judged (that seed has "
+                  "no pair).\n\n", "\n".join(
+                      f"- {name} ({r['config']}, {r['num_rounds']} rounds): diverged on "
+                      f"{seeds_named(r['diverged_seeds'])}" for name, r in diverged), "\n\n"]
+    missing = [name for name, r in absent.items() if r is None]
     if missing:
         parts.append("## Not run yet\n\n" + ", ".join(missing) + "\n\n")
     (out / "matrix").mkdir(parents=True, exist_ok=True)
@@ -331,7 +344,8 @@ def write_report(matrix: Matrix, command: str) -> str:
     (out / "matrix" / "summary.json").write_text(json.dumps(
         {**summary(matrix, stats, judged_claims),
          "what_to_pick": {s: {"best": p["best"], "tied": list(p["tied"]),
-                              "missing": p["missing"], "provisional": p["provisional"]}
+                              "missing": p["missing"], "provisional": p["provisional"],
+                              "diverged": p["diverged"]}
                           for s, p in picked.items()},
          **({"privacy": privacy_summary(private)} if private else {})}, indent=1) + "\n")
     text = "".join(parts)

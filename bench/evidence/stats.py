@@ -21,8 +21,9 @@ from comparison.stats import (
 
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:
     """The row over its report seeds, and the extra seeds it ran for an undecided claim
-    (None before any ran): the figures of the compare command, the search it was chosen
-    from, and the mean task accuracy where its cells have it."""
+    (None before any ran): the figures of the compare command over the seeds that finished
+    (none where every one diverged: ``seeds`` 0), the seeds it diverged on, the search it
+    was chosen from, and the mean task accuracy where its cells have it."""
     searched = matrix.searched(scenario, item, tune=False)
     config, tuned = matrix.reported(scenario, item)
     cells = {seed: c for seed in (*protocol.REPORT_SEEDS, *protocol.EXTRA_SEEDS)
@@ -30,6 +31,7 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
              is not None}
     if not cells:
         return None
+    finished, diverged = by_seed_finished(list(cells.values()))
     stats = {"label": item.label, "method": item.method, "config": config_tag(config),
              "num_rounds": next(iter(cells.values()))["run_config"]["num-server-rounds"],
              "chosen": matrix.method_config(scenario, item, config), "tuned": tuned,
@@ -37,12 +39,13 @@ def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | No
              "diverged": [matrix.method_config(scenario, item, c) for c, cell in searched
                           if cell is not None and cell.get("status") == "diverged"],
              # convergence is judged on the report seeds only (flag), not over extra seeds
-             **{k: v for k, v in method_stats(cells).items()
-                if k not in ("slope_ci95", "converged")},
-             "seeds": len(cells), "cells": list(cells.values())}
-    if all("accuracy_task_per_round" in c for c in cells.values()):
+             **({k: v for k, v in method_stats(finished).items()
+                 if k not in ("slope_ci95", "converged")} if finished else {}),
+             "seeds": len(finished), "diverged_seeds": diverged,
+             "cells": list(finished.values())}
+    if finished and all("accuracy_task_per_round" in c for c in finished.values()):
         stats["accuracy_task"] = mean_std([last_rounds_mean(c["accuracy_task_per_round"])
-                                           for c in cells.values()])
+                                           for c in finished.values()])
     return stats
 
 
