@@ -38,8 +38,21 @@ def stored_config(scenario: str, label: str) -> dict | None:
 
 
 def shown(cell: dict | None) -> str:
-    return "-" if cell is None else (f"{cell['accuracy_weighted']:.4f} / "
-                                     f"{cell['mb_up_total']:.3f} MB")
+    if cell is None:
+        return "-"
+    if cell.get("status") == "diverged":
+        return f"diverged ({cell['reason']})"
+    return f"{cell['accuracy_weighted']:.4f} / {cell['mb_up_total']:.3f} MB"
+
+
+def same_run(stored: dict | None, fresh: dict | None) -> bool:
+    """Whether two runs of a cell are the same to the last bit: their per-round and final
+    accuracy and uplink, or, where one diverged, both diverged for the same reason."""
+    if stored is None or fresh is None:
+        return False
+    keys = ("status", "reason") if "diverged" in (stored.get("status"), fresh.get("status")) \
+        else COMPARED
+    return all(stored.get(k) == fresh.get(k) for k in keys)
 
 
 def verdict(same: bool, stored_on: str, here: str) -> str:
@@ -77,8 +90,7 @@ def main() -> None:
                 continue
             stored = stored_matrix.cell(scenario, item, "report", config, SEED, may_run=False)
             fresh = fresh_matrix.cell(scenario, item, "report", config, SEED)
-            same = (stored is not None and fresh is not None
-                    and all(stored[k] == fresh[k] for k in COMPARED))
+            same = same_run(stored, fresh)
             stored_on = (stored or {}).get("numerics", "not recorded")
             lines.append(f"| {item.label} | {json.dumps(config)} | {shown(stored)} | "
                          f"{stored_on} | {shown(fresh)} | {verdict(same, stored_on, here)} |")

@@ -297,3 +297,18 @@ def test_reproduce_calls_a_difference_a_regression_only_on_the_machine_that_stor
     assert verdict(False, here.replace("AVX512", "AVX2"), here) == (
         "no, as expected of another machine")
     assert verdict(False, "not recorded", here) == "no (where it was stored is not recorded)"
+
+
+def test_reproduce_compares_a_diverged_cell_by_its_reason():
+    from bench.reproduce import same_run, shown
+
+    finished = {"accuracy_per_round": [0.5, 0.6], "mb_up_per_round": [1.0, 1.0],
+                "accuracy_weighted": 0.6, "mb_up_total": 2.0}
+    diverged = {"status": "diverged", "reason": "rounds 10-12: the run diverged"}
+    assert same_run(finished, dict(finished)) and not same_run(finished, None)
+    assert not same_run(finished, {**finished, "accuracy_per_round": [0.5, 0.61]})
+    assert same_run(diverged, dict(diverged))
+    assert not same_run(diverged, {**diverged, "reason": "rounds 13-15: the run diverged"})
+    assert not same_run(diverged, finished) and not same_run(finished, diverged)
+    assert (shown(diverged), shown(finished)) == (
+        "diverged (rounds 10-12: the run diverged)", "0.6000 / 2.000 MB")

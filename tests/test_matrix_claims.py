@@ -30,7 +30,8 @@ def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True,
                                                               strict=True), 1)},
             "accuracy": (statistics.fmean(per_seed), 0.0), "mb_up": (mb_up, 0.0),
             "slope": (statistics.fmean(slopes), 0.0),
-            "seeds": len(per_seed), "tuned": tuned, "num_rounds": num_rounds}
+            "seeds": len(per_seed), "tuned": tuned, "num_rounds": num_rounds,
+            "diverged_seeds": []}
 
 
 def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
@@ -117,8 +118,17 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
     stats["permuted-labels"]["factorized-fl"] = _row(shifted([0.0] * 5), mb_up=0.6)
     judged = {c["claim"]: c for c in claims(stats, ablated)}
     assert judged[permuted]["verdict"] == "did not hold"  # 6% of FedAvg's a round
+    # a FedAvg that diverged on a report seed has no uplink figure on it: not measured,
+    # named, and no extra seeds asked for
+    stats["permuted-labels"]["fedavg"] = {**_row(base[:4], mb_up=40.0), "diverged_seeds": [5]}
+    record = {c["claim"]: c for c in claims(stats, ablated)}[permuted]
+    assert (record["verdict"], record["diverged"]) == ("not measured", {"fedavg": [5]})
+    assert "(rows missing or incomplete; fedavg diverged on seed 5)" in claim_line(record)
+    assert undecided([record]) == set()
+    stats["permuted-labels"]["fedavg"] = _row(base, mb_up=40.0, num_rounds=160)
     stats["permuted-labels"]["factorized-fl"] = _row(shifted([0.0] * 5), mb_up=0.4)
     judged = {c["claim"]: c for c in claims(stats, ablated)}
+    assert judged[permuted]["diverged"] == {}
     # not worse by more than a point, but not better either: the paper's gain (+4 points)
     # lies outside the interval, so it did not reproduce
     assert judged[permuted]["superiority"] == "did not hold"
@@ -306,6 +316,21 @@ def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_hol
     assert "fedavg" not in picked["dirichlet-0.1"]["tied"]
     assert "diverged on a report seed, not picked: fedavg)" in pick_table(
         picked, stats).splitlines()[-1]
+    # a row that diverged on every report seed (no statistics) is named, not "not in yet"
+    picked = picks(stats, {"dirichlet-0.1": ["local"]})["dirichlet-0.1"]
+    assert picked["diverged"] == ["fedavg", "local"] and "local" not in picked["missing"]
+    # an extra seed that diverged does not keep a row from being picked
+    stats["dirichlet-0.1"]["fedavg"] = row("fedavg", [0.95, 0.95, 0.96, 0.95, 0.95],
+                                           diverged_seeds=(7,))
+    assert picks(stats)["dirichlet-0.1"]["best"] == "fedavg"
+    # every row diverged on a report seed: nothing to pick, and the line says so
+    for r in stats["dirichlet-0.1"].values():
+        r["diverged_seeds"] = [5]
+    picked = picks(stats)
+    assert picked["dirichlet-0.1"]["best"] is None
+    assert pick_table(picked, stats).splitlines()[-1] == (
+        "| dirichlet-0.1 | none: every row in so far diverged on a report seed (fedper, "
+        "fedrep, fedavg, fedbn) | |")
 
 
 @pytest.mark.parametrize(("ci95", "verdict", "superiority", "interval"), [
@@ -330,7 +355,7 @@ def test_a_difference_is_judged_on_where_its_interval_lies(ci95, verdict, superi
 def _sloped_row(slopes: list[float]) -> dict:
     return {"per_seed": {seed: {"slope": s} for seed, s in zip(protocol.REPORT_SEEDS, slopes,
                                                                 strict=False)},
-            "num_rounds": 40, "slope": (statistics.fmean(slopes), 0.0)}
+            "num_rounds": 40, "slope": (statistics.fmean(slopes), 0.0), "diverged_seeds": []}
 
 
 def test_a_row_has_converged_when_the_upper_end_of_its_slope_interval_is_within_the_rule():
@@ -346,6 +371,10 @@ def test_a_row_has_converged_when_the_upper_end_of_its_slope_interval_is_within_
         "not converged at round 40: slope over the last 10 rounds +0.05 points a round, 95% "
         "interval [-0.33, +0.43]")
     assert flag(_sloped_row([0.0])) == "one seed: convergence cannot be judged"
+    # a report seed that diverged stopped the doubling, not the cap: said
+    stopped = {**_sloped_row(spread[:4]), "diverged_seeds": [5]}
+    assert flag(stopped).endswith("not doubled further: a report seed diverged at this length)")
+    assert flag(_sloped_row(spread)).endswith("the rounds were doubled at most 2 times)")
     # extra seeds (run for an undecided claim at the same rounds) do not move the judgement:
     # it is the report seeds' rule, the one that doubled the rounds
     extra = _sloped_row(flat)

@@ -147,7 +147,8 @@ class Matrix:
                  ) -> tuple[dict[str, Any], bool]:
         """The configuration the row reports, and whether its search is complete: the tuned
         one at the scenario's rounds, with ``num-server-rounds`` doubled while its report
-        seeds have not converged (``comparison.stats.converged``), at most ``MAX_DOUBLINGS`` times.
+        seeds have not converged (``comparison.stats.converged``) and none diverged, at most
+        ``MAX_DOUBLINGS`` times.
         ``may_run``: run each length's missing report seeds on the way."""
         config, tuned, _ = self.report_length(scenario, item, may_run)
         return config, tuned

@@ -4,7 +4,8 @@ A claim says a method's accuracy minus its reference's is at least ``margin`` (+
 points better; -0.01: not more than one point worse). It **held** when the 95% confidence
 interval of the paired difference over the report seeds (same seed: same data split, same
 initial model) lies at or above the margin, **did not hold** otherwise, and is **not
-measured** while a row, its reference or one of their report seeds is missing. Beside the
+measured** while a row, its reference or one of their report seeds is missing, or where one of
+those seeds diverged (it has no pair; the claim's line names it). Beside the
 verdict, ``interval`` says where the interval lies: above the margin (held), below it (a clear
 failure) or across it (the seeds cannot tell). A reference named by several labels is the
 best of them by its mean figure (the claim's: accuracy or task accuracy) over the
@@ -33,7 +34,7 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
-from bench.evidence.stats import flag, report_seeds_stats
+from bench.evidence.stats import diverged_report_seeds, flag, report_seeds_stats
 from comparison.stats import accuracy_difference, config_tag, judge_difference, seeds_named
 
 BEST_BASELINE = BASELINES
@@ -147,6 +148,12 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
                               "paper_effect": claim.paper_effect,
                               "paper_source": claim.paper_source,
                               "paper_effect_excluded": False, "not_converged": []}
+    # the row, a reference or FedAvg (an uplink bound's) that diverged on a report seed: that
+    # seed has no pair, so the claim is not measured; its line names them
+    involved = [claim.method, *claim.reference,
+                *(["fedavg"] if claim.max_uplink_share is not None else [])]
+    record["diverged"] = {label: seeds for label in dict.fromkeys(involved)
+                          if (r := rows.get(label)) and (seeds := diverged_report_seeds(r))}
     if claim.same_size_random_split:
         found = (ablated or {}).get((claim.scenario, claim.method,
                                      config_tag(SAME_SIZE_RANDOM_SPLIT)))
@@ -166,8 +173,10 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
             label, best = max(candidates,
                               key=lambda lr: report_seeds_stats(lr[1], claim.figure)[0])
             reference = {"label": label, "per_seed": best["per_seed"], "row": best}
+    fedavg = rows.get("fedavg")
     if (not complete(row) or reference is None
-            or not (has_figure(row) and has_figure(reference))):
+            or not (has_figure(row) and has_figure(reference))
+            or (claim.max_uplink_share is not None and not complete(fedavg))):
         return record
     diff = accuracy_difference(row, reference, claim.figure)
     low, high = diff["ci95"] or (diff["mean_diff"], diff["mean_diff"])
@@ -185,9 +194,6 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
                                                         (reference["label"], reference.get("row")))
                                  if r is not None and flag(r)])
     if claim.max_uplink_share is not None:
-        fedavg = rows.get("fedavg")
-        if not complete(fedavg):
-            return record
         # per round: a row whose rounds the convergence rule doubled sends more in all
         uplink = ((row["mb_up"][0] / row["num_rounds"])
                   / (fedavg["mb_up"][0] / fedavg["num_rounds"]))
@@ -224,7 +230,10 @@ def claim_line(record: dict[str, Any]) -> str:
     diverged = (f"; the reference diverged on {seeds_named(diverged)}: not paired"
                 if diverged else "")
     if record["verdict"] == "not measured":
-        return f"- {record['claim']}: **not measured** (rows missing or incomplete{diverged})"
+        rows = "".join(f"; {label} diverged on {seeds_named(seeds)}"
+                       for label, seeds in record.get("diverged", {}).items())
+        return (f"- {record['claim']}: **not measured** (rows missing or incomplete{rows}"
+                f"{diverged})")
     low, high = record["ci95"]
     uplink = (f"; uplink {100 * record['uplink_share_of_fedavg']:.1f}% of FedAvg's a round"
               if "uplink_share_of_fedavg" in record else "")

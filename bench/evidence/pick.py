@@ -11,20 +11,30 @@ from typing import Any
 
 from bench.evidence.claims import complete
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.stats import flag, report_seeds_stats
+from bench.evidence.stats import diverged_report_seeds, flag, report_seeds_stats
 from comparison.stats import accuracy_difference, points
 
 
-def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """scenario -> the best row's label, the tied rows' paired differences against it (label
-    -> ``paired_difference``), the scenario's rows not in yet (no cells, or no interval against
-    the best), the picked rows that had not converged or finished their search, and the rows
-    that diverged on a report seed."""
+def picks(stats: dict[str, dict[str, dict[str, Any]]],
+          every_seed_diverged: dict[str, list[str]] | None = None
+          ) -> dict[str, dict[str, Any]]:
+    """scenario -> the best row's label (None where every row diverged on a report seed), the
+    tied rows' paired differences against it (label -> ``paired_difference``), the scenario's
+    rows not in yet (no cells, or no interval against the best), the picked rows that had not
+    converged or finished their search, and the rows that diverged on a report seed (with
+    ``every_seed_diverged``, scenario -> the rows not in ``stats`` because every report seed
+    of theirs diverged)."""
     out = {}
     for scenario, rows in stats.items():
-        ranked = sorted((r for r in rows.values() if not r["diverged_seeds"]),
+        gone = (every_seed_diverged or {}).get(scenario, [])
+        diverged = [r["label"] for r in rows.values() if diverged_report_seeds(r)] + gone
+        ranked = sorted((r for r in rows.values() if r["label"] not in diverged),
                         key=lambda r: report_seeds_stats(r)[0], reverse=True)
+        missing = [e.label for e in SCENARIOS[scenario].entries
+                   if e.label not in rows and e.label not in gone]
         if not ranked:
+            out[scenario] = {"best": None, "tied": {}, "missing": missing, "provisional": [],
+                             "diverged": diverged}
             continue
         best = ranked[0]
         differences = {r["label"]: accuracy_difference(r, best) for r in ranked[1:]}
@@ -35,11 +45,10 @@ def picks(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
         picked = [best["label"], *tied]
         out[scenario] = {
             "best": best["label"], "tied": tied,
-            "missing": [e.label for e in SCENARIOS[scenario].entries if e.label not in rows]
-            + unjudged,
+            "missing": missing + unjudged,
             "provisional": [label for label in picked
                             if not complete(rows[label]) or flag(rows[label])],
-            "diverged": [r["label"] for r in rows.values() if r["diverged_seeds"]]}
+            "diverged": diverged}
     return out
 
 
@@ -51,6 +60,10 @@ def pick_table(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dic
              "|---|---|---|"]
     for scenario, pick in picked.items():
         rows = stats[scenario]
+        if pick["best"] is None:
+            lines.append(f"| {scenario} | none: every row in so far diverged on a report seed "
+                         f"({', '.join(pick['diverged'])}) | |")
+            continue
         best = rows[pick["best"]]
         mean, std = report_seeds_stats(best)
         tied = "; ".join(f"{label} {points(d)}, {rows[label]['mb_up'][0]:.0f} MB"

@@ -15,6 +15,7 @@ from bench.evidence.privacy import privacy_plots, privacy_stats, privacy_summary
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import (
     ablation_stats,
+    diverged_report_seeds,
     flag,
     report_seeds_stats,
     row_stats,
@@ -279,7 +280,12 @@ def write_report(matrix: Matrix, command: str) -> str:
         "beside it, whether the interval lies above 0 (better at all) and the paper's own "
         "difference. Machine-readable: [`matrix/summary.json`](matrix/summary.json).\n\n",
     ]
-    picked = picks(stats)
+    # a row not in stats either has no report cell yet or diverged on every report seed
+    absent = {(s, e.label): row_stats(matrix, s, e) for s, scenario in SCENARIOS.items()
+              for e in scenario.entries if e.label not in stats.get(s, {})}
+    every_seed_diverged = {s: [label for (t, label), r in absent.items() if t == s and r]
+                           for s in SCENARIOS}
+    picked = picks(stats, every_seed_diverged)
     if picked:
         parts += ["## What to pick\n\nPer scenario, the row with the best accuracy and the "
                   "rows statistically tied with it: the 95% interval of their paired difference "
@@ -320,19 +326,18 @@ def write_report(matrix: Matrix, command: str) -> str:
                   "the delta shown in `matrix/summary.json`, the most any run of the level "
                   "spent. Without DP: the row's report seeds at the same configuration and "
                   "rounds.\n\n", privacy_tables(private), "\n"]
-    # a row not in stats either has no report cell yet or diverged on every report seed
-    absent = {f"{s}/{e.label}": row_stats(matrix, s, e) for s, scenario in SCENARIOS.items()
-              for e in scenario.entries if e.label not in stats.get(s, {})}
     diverged = [(f"{s}/{label}", r) for s, rows in stats.items() for label, r in rows.items()
-                if r["diverged_seeds"]] + [(name, r) for name, r in absent.items() if r]
+                if diverged_report_seeds(r)] + [(f"{s}/{label}", r)
+                                                for (s, label), r in absent.items() if r]
     if diverged:
         parts += ["## Rows that diverged on a report seed\n\nA report seed that diverged is "
                   "stored as such: the row is reported at that length over the seeds that "
-                  "finished, is never picked, and a claim on it is not judged (that seed has "
-                  "no pair).\n\n", "\n".join(
+                  "finished, is never picked, and a claim on it or against it is not measured "
+                  "(that seed has no pair).\n\n", "\n".join(
                       f"- {name} ({r['config']}, {r['num_rounds']} rounds): diverged on "
-                      f"{seeds_named(r['diverged_seeds'])}" for name, r in diverged), "\n\n"]
-    missing = [name for name, r in absent.items() if r is None]
+                      f"{seeds_named(diverged_report_seeds(r))}" for name, r in diverged),
+                  "\n\n"]
+    missing = [f"{s}/{label}" for (s, label), r in absent.items() if r is None]
     if missing:
         parts.append("## Not run yet\n\n" + ", ".join(missing) + "\n\n")
     (out / "matrix").mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,12 @@ def ablation_stats(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]]
     return out
 
 
+def diverged_report_seeds(row: dict[str, Any]) -> list[int]:
+    """The report seeds the row diverged on (an extra seed that diverged is named in its
+    table, but rows are ranked and claims judged on the report seeds)."""
+    return [s for s in row["diverged_seeds"] if s in protocol.REPORT_SEEDS]
+
+
 def report_seeds_stats(row: dict[str, Any], figure: str = "accuracy") -> tuple[float, float]:
     """Mean and standard deviation of the row's ``figure`` over the report seeds it has: what
     rows are ranked by. Its mean over all its seeds would favour a row that ran
@@ -93,6 +99,8 @@ def flag(row: dict[str, Any]) -> str:
         return (f"not converged at round {row['num_rounds']}: slope over the "
                 f"last 10 rounds {100 * row['slope'][0]:+.2f} points a round, 95% interval "
                 f"[{100 * interval[0]:+.2f}, {100 * interval[1]:+.2f}] (converged: at most "
-                f"{100 * CONVERGED_SLOPE:+.2f}; the rounds were doubled at most "
-                f"{protocol.MAX_DOUBLINGS} times)")
+                f"{100 * CONVERGED_SLOPE:+.2f}; "
+                + ("not doubled further: a report seed diverged at this length)"
+                   if diverged_report_seeds(row) else
+                   f"the rounds were doubled at most {protocol.MAX_DOUBLINGS} times)"))
     return ""
