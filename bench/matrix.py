@@ -62,7 +62,7 @@ from launch.federation import warm_federation
 def run_extra_seeds(matrix: Matrix, scenarios: list[str]) -> None:
     """The rule for undecided claims (``bench/evidence/claims.py``): their rows and references
     on ``EXTRA_SEEDS`` too, once."""
-    _, _, claims = judged(matrix)
+    *_, claims = judged(matrix)
     for scenario, label in sorted(undecided(claims)):
         if scenario not in scenarios:
             continue

@@ -211,21 +211,29 @@ def plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
 
 
 def judged(matrix: Matrix) -> tuple[dict[str, dict[str, dict[str, Any]]],
+                                    dict[tuple[str, str], dict[str, Any] | None],
                                     dict[tuple[str, str, str], dict[str, Any]],
                                     list[dict[str, Any]]]:
     """From the cells present: the statistics of every row with a report seed that finished,
-    by scenario, the ablations', and the claims judged on them."""
-    stats = {s: {e.label: r for e in scenario.entries
-                 if (r := row_stats(matrix, s, e)) is not None and r["seeds"]}
-             for s, scenario in SCENARIOS.items()}
-    stats = {s: rows for s, rows in stats.items() if rows}
+    by scenario; the other rows by (scenario, label), each None where no report seed ran yet,
+    else its ``row_stats`` (every report seed of it diverged); the ablations'; and the claims
+    judged on them."""
+    stats: dict[str, dict[str, dict[str, Any]]] = {}
+    unscored = {}
+    for s, scenario in SCENARIOS.items():
+        for e in scenario.entries:
+            r = row_stats(matrix, s, e)
+            if r is not None and r["seeds"]:
+                stats.setdefault(s, {})[e.label] = r
+            else:
+                unscored[(s, e.label)] = r
     ablated = ablation_stats(matrix, stats)
-    return stats, ablated, claims(stats, ablated)
+    return stats, unscored, ablated, claims(stats, ablated)
 
 
 def write_report(matrix: Matrix, command: str) -> str:
     """report.md, summary.json and the plots, from the cells present."""
-    stats, ablated, judged_claims = judged(matrix)
+    stats, unscored, ablated, judged_claims = judged(matrix)
     out = matrix.out
     cells = [json.loads(c.read_text())
              for c in sorted((out / "matrix" / cells_folder(matrix.device)).rglob("*.json"))]
@@ -280,11 +288,10 @@ def write_report(matrix: Matrix, command: str) -> str:
         "beside it, whether the interval lies above 0 (better at all) and the paper's own "
         "difference. Machine-readable: [`matrix/summary.json`](matrix/summary.json).\n\n",
     ]
-    # a row not in stats either has no report cell yet or diverged on every report seed
-    absent = {(s, e.label): row_stats(matrix, s, e) for s, scenario in SCENARIOS.items()
-              for e in scenario.entries if e.label not in stats.get(s, {})}
-    every_seed_diverged = {s: [label for (t, label), r in absent.items() if t == s and r]
-                           for s in SCENARIOS}
+    every_seed_diverged: dict[str, list[str]] = {}
+    for (s, label), r in unscored.items():
+        if r is not None:
+            every_seed_diverged.setdefault(s, []).append(label)
     picked = picks(stats, every_seed_diverged)
     if picked:
         parts += ["## What to pick\n\nPer scenario, the row with the best accuracy and the "
@@ -328,7 +335,7 @@ def write_report(matrix: Matrix, command: str) -> str:
                   "rounds.\n\n", privacy_tables(private), "\n"]
     diverged = [(f"{s}/{label}", r) for s, rows in stats.items() for label, r in rows.items()
                 if diverged_report_seeds(r)] + [(f"{s}/{label}", r)
-                                                for (s, label), r in absent.items() if r]
+                                                for (s, label), r in unscored.items() if r]
     if diverged:
         parts += ["## Rows that diverged on a report seed\n\nA report seed that diverged is "
                   "stored as such: the row is reported at that length over the seeds that "
@@ -337,7 +344,7 @@ def write_report(matrix: Matrix, command: str) -> str:
                       f"- {name} ({r['config']}, {r['num_rounds']} rounds): diverged on "
                       f"{seeds_named(diverged_report_seeds(r))}" for name, r in diverged),
                   "\n\n"]
-    missing = [f"{s}/{label}" for (s, label), r in absent.items() if r is None]
+    missing = [f"{s}/{label}" for (s, label), r in unscored.items() if r is None]
     if missing:
         parts.append("## Not run yet\n\n" + ", ".join(missing) + "\n\n")
     (out / "matrix").mkdir(parents=True, exist_ok=True)
