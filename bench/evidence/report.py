@@ -57,6 +57,13 @@ def deviations() -> str:
                       for name, page, text in DEVIATIONS)
 
 
+def seeds_column(result: dict[str, Any]) -> str:
+    """A table's seeds column for a row or an ablation: how many finished, and the seeds it
+    diverged on."""
+    diverged = result["diverged_seeds"]
+    return str(result["seeds"]) + (f", diverged on {seeds_named(diverged)}" if diverged else "")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| method | chosen configuration (of searched) | seeds | acc, last 5 rounds "
              "(mean ± std) | task acc | min client | slope (points/round) | uplink MB "
@@ -67,9 +74,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                   else f"{r['config']} (not tuned yet)")
         task = f"{r['accuracy_task'][0]:.4f}" if "accuracy_task" in r else "-"
         slope = f"{100 * r['slope'][0]:+.2f}" + (" ⚑" if flag(r) else "")
-        seeds = str(r["seeds"]) + (f", diverged on {seeds_named(r['diverged_seeds'])}"
-                                   if r["diverged_seeds"] else "")
-        lines.append(f"| {r['label']} | {config} | {seeds} | "
+        lines.append(f"| {r['label']} | {config} | {seeds_column(r)} | "
                      f"{r['accuracy'][0]:.4f} ± {r['accuracy'][1]:.4f} | {task} | "
                      f"{r['accuracy_min'][0]:.4f} | {slope} | "
                      f"{r['mb_up'][0]:.2f} | {r['seconds'][0]:.0f} |")
@@ -155,9 +160,7 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
               for a in redundant]
     for result in ablated.values():
         ablation, row = result["ablation"], result["row"]
-        diverged = result["diverged_seeds"]
-        seeds = str(result["seeds"]) + (f", diverged on {seeds_named(diverged)}"
-                                         if diverged else "")
+        seeds = seeds_column(result)
         if result["accuracy"] is None:
             figures = "diverged on every seed |"
         else:
