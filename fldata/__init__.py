@@ -333,6 +333,63 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
                       num_classes)
 
 
+def split_positions(y: np.ndarray, settings: RunSettings, partition_id: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in a client's labels ``y`` of the examples it trains on and of those it is
+    evaluated on: its test split, or its validation split (carved from the training share)
+    where ``validation-fraction`` is above 0."""
+    train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
+    if settings.validation_fraction > 0:  # carved from the training share; the test split unused
+        fit, validation = train_test_split(y[train], settings.validation_fraction, settings.seed,
+                                           partition_id, stream=VALIDATION_STREAM)
+        train, test = train[fit], train[validation]
+    return train, test
+
+
+# A client evaluated on fewer examples than this scores in steps of more than 20 points
+SMALL_TEST_SPLIT = 5
+
+
+def check_partition(settings: RunSettings, num_partitions: int) -> str | None:
+    """The whole partition of the run's pool over ``num_partitions`` clients, drawn once on
+    the pool's labels before any client starts, as every client will draw it
+    (``fldata.partition``: a pure function). Raises a one-line ``ConfigError`` naming the
+    fix when it cannot be drawn or leaves a client without a training or an evaluation
+    example; returns a warning (or None) when some clients are evaluated on fewer than
+    ``SMALL_TEST_SPLIT`` examples. A pool this machine does not hold (a hub dataset) and
+    the synthetic generator (a client's own draw) are not checked here."""
+    source = pool_source(settings)
+    if settings.dataset == "synthetic-fedfac" or source is None:
+        return None
+    _, y_pool = _checked_pool(settings, source)
+    if settings.partitioner == "natural":
+        ids = _natural_ids(source, json.dumps(fingerprint(source)), settings.partition_column)
+        parts = [natural_indices(ids, settings.partition_column, pid, num_partitions)
+                 for pid in range(num_partitions)]
+    else:
+        parts = [partition_indices(y_pool, settings, pid, num_partitions)
+                 for pid in range(num_partitions)]
+    sizes = np.array([[len(s) for s in split_positions(y_pool[idx], settings, pid)]
+                      for pid, idx in enumerate(parts)])
+    evaluated_on = "validation" if settings.validation_fraction > 0 else "test"
+    for column, split in ((0, "training"), (1, evaluated_on)):
+        empty = np.flatnonzero(sizes[:, column] == 0)
+        if len(empty):
+            fixes = ("use fewer clients, raise min-partition-size or dirichlet-alpha"
+                     if settings.partitioner == "dirichlet" else "use fewer clients")
+            raise ConfigError(
+                f"partitioner: {len(empty)} of {num_partitions} clients get no {split} "
+                f"example from the pool of {len(y_pool)} (client {empty[0]} holds "
+                f"{len(parts[empty[0]])} examples); {fixes}")
+    small = sizes[:, 1] < SMALL_TEST_SPLIT
+    if not small.any():
+        return None
+    return (f"{small.sum()} of {num_partitions} clients are evaluated on fewer than "
+            f"{SMALL_TEST_SPLIT} {evaluated_on} examples (the smallest on "
+            f"{sizes[:, 1].min()}): their accuracy moves in steps of "
+            f"{100 / sizes[:, 1].min():.0f} points or more")
+
+
 def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_classes: int,
            data_dir: str | None, pool: str | None) -> dict[str, np.ndarray]:
     if data_dir:
@@ -341,11 +398,7 @@ def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_cl
         x, y = partition_arrays(settings, partition_id, num_partitions, pool)
     # Split before permuting and shifting, so that permute-labels changes the labels and
     # feature-shift the images, and nothing else: the same examples, in the same order.
-    train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
-    if settings.validation_fraction > 0:  # carved from the training share; the test split unused
-        fit, validation = train_test_split(y[train], settings.validation_fraction, settings.seed,
-                                           partition_id, stream=VALIDATION_STREAM)
-        train, test = train[fit], train[validation]
+    train, test = split_positions(y, settings, partition_id)
     if settings.permute_labels:
         y = label_permutation(num_classes, settings.seed, partition_id)[y]
     if not data_dir:

@@ -10,6 +10,7 @@ Hugging Face hub (``FederatedDataset``) or was built in memory.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -79,11 +80,13 @@ def min_partition_size(settings: RunSettings, num_partitions: int, pool_size: in
     return min(settings.min_partition_size, pool_size // (2 * num_partitions))
 
 
-# Partitioners with their pool assigned, per (labels, partition settings, number of
-# partitions): flwr-datasets' partitioners draw every partition at their first
-# ``load_partition`` and keep them, so a process that serves many clients (a simulation
-# worker) partitions the pool once instead of once per client. A few entries at most: a
-# process serves one run at a time.
+# Partitioners whose draw succeeded, per (labels, partition settings, number of partitions):
+# flwr-datasets' partitioners draw every partition at their first ``load_partition`` and keep
+# them, so a process that serves many clients (a simulation worker) partitions the pool once
+# instead of once per client. A partitioner whose draw failed is never kept: its generator
+# has moved on, and a second ``load_partition`` would draw from where the failed tries left
+# it, so that a client's partition would depend on what its process ran before. A few entries
+# at most: a process serves one run at a time.
 _PARTITIONERS: dict[tuple, Partitioner] = {}
 _KEEP = 4
 
@@ -93,39 +96,58 @@ def _partition_settings(settings: RunSettings) -> tuple:
             settings.classes_per_client, settings.domain_groups, settings.seed)
 
 
-def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: int,
-                      num_partitions: int) -> np.ndarray:
-    """Indices into ``labels`` of one client's examples (train and test together)."""
+def drawn_partitioner(labels: np.ndarray, settings: RunSettings,
+                      num_partitions: int) -> Partitioner:
+    """The run's partitioner with every partition of ``labels`` drawn, a pure function of
+    the labels, the partition settings, the seed and the number of partitions: made fresh
+    and drawn once per process (kept after a successful draw). A pool it cannot split raises
+    a one-line ``ConfigError`` naming what to change, the same in every process."""
     key = (hashlib.sha1(np.ascontiguousarray(labels).tobytes()).hexdigest(), labels.dtype.str,
            len(labels), _partition_settings(settings), num_partitions)
     partitioner = _PARTITIONERS.get(key)
-    if partitioner is None:
-        # flwr-datasets' IidPartitioner shards contiguously: shuffle the pool first (seeded)
-        # so that every partitioner sees the same, order-free pool.
-        import datasets
+    if partitioner is not None:
+        return partitioner
+    # flwr-datasets' IidPartitioner shards contiguously: shuffle the pool first (seeded)
+    # so that every partitioner sees the same, order-free pool.
+    import datasets
 
-        order = np.random.default_rng(settings.seed).permutation(len(labels))
-        partitioner = make_partitioner(settings, num_partitions, len(labels))
-        partitioner.dataset = datasets.Dataset.from_dict({"idx": order, LABEL: labels[order]})
-        while len(_PARTITIONERS) >= _KEEP:
-            _PARTITIONERS.pop(next(iter(_PARTITIONERS)))
-        _PARTITIONERS[key] = partitioner
+    order = np.random.default_rng(settings.seed).permutation(len(labels))
+    partitioner = make_partitioner(settings, num_partitions, len(labels))
+    partitioner.dataset = datasets.Dataset.from_dict({"idx": order, LABEL: labels[order]})
     try:
-        indices = partitioner.load_partition(partition_id)["idx"]
+        with warnings.catch_warnings():  # its "will be repeated" lines: the refusal says it
+            warnings.simplefilter("ignore", UserWarning)
+            partitioner.load_partition(0)  # draws them all
     except ValueError as error:
-        if settings.partitioner != "dirichlet":
-            raise ConfigError(f"partitioner: {settings.partitioner} cannot split this pool of "
-                              f"{len(labels)} examples in {len(np.unique(labels))} classes "
-                              f"over {num_partitions} clients: {error}") from error
-        # flwr-datasets redraws up to 10 times while a client has too few examples; many
-        # clients on a small pool (1,000 clients of 20 examples on average) never get there
-        raise ConfigError(
-            f"dirichlet: no draw in 10 gave each of {num_partitions} clients at least "
-            f"{min_partition_size(settings, num_partitions, len(labels))} of the pool's "
-            f"{len(labels)} examples (dirichlet-alpha={settings.dirichlet_alpha}); lower "
-            "min-partition-size (2 keeps one train and one test example), raise "
-            "dirichlet-alpha, or use fewer clients") from error
-    return np.sort(np.asarray(indices, dtype=np.int64))
+        raise _undrawable(labels, settings, num_partitions, error) from error
+    while len(_PARTITIONERS) >= _KEEP:
+        _PARTITIONERS.pop(next(iter(_PARTITIONERS)))
+    _PARTITIONERS[key] = partitioner
+    return partitioner
+
+
+def _undrawable(labels: np.ndarray, settings: RunSettings, num_partitions: int,
+                error: ValueError) -> ConfigError:
+    if settings.partitioner != "dirichlet":
+        return ConfigError(f"partitioner: {settings.partitioner} cannot split this pool of "
+                           f"{len(labels)} examples in {len(np.unique(labels))} classes over "
+                           f"{num_partitions} clients: {error}")
+    # flwr-datasets redraws up to 10 times while a client has too few examples; many
+    # clients on a small pool (1,000 clients of 20 examples on average) never get there
+    smallest = min_partition_size(settings, num_partitions, len(labels))
+    lower = ("lower min-partition-size (2 keeps one train and one test example), "
+             if smallest > 2 else "")
+    return ConfigError(
+        f"dirichlet: no draw in 10 gave each of {num_partitions} clients at least "
+        f"{smallest} of the pool's {len(labels)} examples (dirichlet-alpha="
+        f"{settings.dirichlet_alpha}); {lower}raise dirichlet-alpha, or use fewer clients")
+
+
+def partition_indices(labels: np.ndarray, settings: RunSettings, partition_id: int,
+                      num_partitions: int) -> np.ndarray:
+    """Indices into ``labels`` of one client's examples (train and test together)."""
+    partitioner = drawn_partitioner(labels, settings, num_partitions)
+    return np.sort(np.asarray(partitioner.load_partition(partition_id)["idx"], dtype=np.int64))
 
 
 def label_permutation(num_classes: int, seed: int, partition_id: int) -> np.ndarray:

@@ -263,5 +263,5 @@ class LocalDeployment(LocalFederation):
             timeout: float = 900, echo: bool = False, **_: Any) -> FlowerRun:
         """``flwr run APP --stream`` through the deployment's SuperLink, the run config
         checked first (its sites are on this machine: ``launch.run_config``)."""
-        check_run_config(run_config or {}, app_dir)
+        check_run_config(run_config or {}, app_dir, self.num_sites)
         return self.flwr_run(app_dir, run_config, [], timeout=timeout, echo=echo)

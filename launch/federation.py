@@ -169,7 +169,7 @@ class LocalFederation:
         """``flwr run APP --stream`` with ``run_config`` overrides, checked first
         (``launch.run_config.check_run_config``: a bad config raises its one-line
         ``ConfigError`` before Ray starts); returns when the run ends."""
-        check_run_config(run_config or {}, app_dir)
+        check_run_config(run_config or {}, app_dir, num_supernodes)
         return self.flwr_run(app_dir, run_config, self.federation_config(
             num_supernodes, cpus_per_client, gpus_per_client), timeout=timeout, echo=echo)
 
@@ -379,7 +379,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         run_config = parse_overrides(args.overrides, app_defaults(Path(args.app).resolve()))
-        check_run_config(run_config, args.app)
+        check_run_config(run_config, args.app, args.supernodes)
     except ConfigError as error:
         print(f"pflower: {error}", file=sys.stderr)
         sys.exit(2)

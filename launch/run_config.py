@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunSettings
-from fldata import check_dataset, check_local_files
+from fldata import check_dataset, check_local_files, check_partition
 from launch.app_project import app_defaults
 from server_app.results import CHECKPOINT
 from server_app.tracking import check_installed
+
+# the partition warnings this process printed: each once, however many runs it checks
+_WARNED: set[str] = set()
 
 # what a bare word may hold to be taken as a string: no spaces, quotes or brackets
 _BARE_WORD = re.compile(r"""[^\s"'\[\]{}]+""")
@@ -50,11 +54,14 @@ def parse_overrides(items: Iterable[str], defaults: Mapping[str, Any]) -> dict[s
     return overrides
 
 
-def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".") -> RunSettings:
+def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".",
+                     num_partitions: int | None = None) -> RunSettings:
     """The app's run config with ``overrides``, checked as the ServerApp will check it, plus
     what only this machine can tell (it runs the sites of a simulation): every key known
     (the closest known key suggested), types and ranges, the names of method, dataset and
-    model, and the files the config names. Raises a one-line ``ConfigError``."""
+    model, and the files the config names; with ``num_partitions`` (the launcher's number of
+    clients), the whole partition drawn once (``fldata.check_partition``), its warning
+    printed once. Raises a one-line ``ConfigError``."""
     defaults = app_defaults(Path(app_dir).resolve())
     for name in overrides:
         if name not in defaults:
@@ -72,4 +79,10 @@ def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".") ->
     # imported here, not at the top: the registry imports PyTorch (seconds of CPU), and a
     # mistake in a general key above is reported without it
     from strategies.registry import load_settings
-    return load_settings(run_config)
+    settings = load_settings(run_config)
+    if num_partitions is not None:
+        warning = check_partition(settings, num_partitions)
+        if warning is not None and warning not in _WARNED:
+            _WARNED.add(warning)
+            print(f"pflower: warning: {warning}", file=sys.stderr, flush=True)
+    return settings

@@ -110,6 +110,39 @@ def test_a_config_mistake_stops_before_flower_starts_with_one_line(tmp_path, ove
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+def write_small_image_folder(root: Path, per_class: int = 60) -> Path:
+    """An image folder of 10 classes of ``per_class`` random 8x8 PNGs."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in range(10):
+        (root / f"class-{label}").mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).save(
+                root / f"class-{label}" / f"{i}.png")
+    return root
+
+
+def test_a_partition_that_cannot_be_drawn_stops_before_the_run_in_one_line(tmp_path):
+    """600 images over 100 clients: the launcher draws the whole partition before anything
+    starts and stops with one line naming the fixes; with ``min-partition-size=2`` it is
+    refused the same way (no client's partition depends on a process's earlier draws, so no
+    retry succeeds where a first draw failed)."""
+    folder = write_small_image_folder(tmp_path / "images")
+    for extra, fixes in (([], "lower min-partition-size"), (["min-partition-size=2"],
+                                                            "raise dirichlet-alpha")):
+        done, _, _ = demo(f"dataset={folder}", *extra, f"output-dir={tmp_path / 'out'}",
+                          supernodes=100)
+        assert done.returncode == 2, done.stderr
+        assert done.stdout == ""
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith("pflower: dirichlet: no draw in 10 gave each of 100 "
+                                      "clients at least"), done.stderr
+        assert fixes in done.stderr and "use fewer clients" in done.stderr
+        assert not (tmp_path / "out").exists()
+
+
 def _results(out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
@@ -271,12 +304,14 @@ def test_cuda_on_simulated_clients_without_a_gpu_share_fails_at_the_preflight_sa
 def test_a_clean_run_prints_only_its_own_lines_then_what_it_wrote(tmp_path):
     """The demo as a user runs it: a start line, the rounds, the final summary and table, the
     list of what the run wrote, the outcome; no warning a user cannot act on. What the echo
-    leaves out is in the run's full log."""
+    leaves out is in the run's full log. Output to a pipe and the log file: no colour codes
+    (Flower's, on every line's level)."""
     out = tmp_path / "out"
     done, _, _ = demo("num-server-rounds=3", "local-epochs=1", "tracking=tensorboard",
                       f"output-dir={out}", supernodes=4)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stderr == ""
+    assert "\x1b[" not in done.stdout, done.stdout[:300]
     lines = done.stdout.splitlines()
     own = ("[start]", "[round ", "[progress]", "[final]", "identify:",
            "Starting Flower Simulation", "Federation `@none/default` (4 simulated")
@@ -293,6 +328,7 @@ def test_a_clean_run_prints_only_its_own_lines_then_what_it_wrote(tmp_path):
     assert lines[-2] == f"full log: {log}"
     assert lines[-1].endswith(": finished:completed")
     full = log.read_text()
+    assert "\x1b[" not in full, full[:300]
     assert "Successfully installed pflower to " in full  # left out of the echo, kept here
     assert "[progress] round   3" in full
 
