@@ -16,6 +16,7 @@ names (``strategies/registry.py: load_settings``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,11 +41,20 @@ class ConfigError(ValueError):
     """
 
 
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'X'?"`` for the known word closest to ``word`` (case aside), or
+    ``""`` when none is close: the end of a one-line error about an unknown name."""
+    by_lower = {name.lower(): name for name in known}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.75)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
+
+
 def one_of(key: str, value: str, allowed: Iterable[str]) -> str:
     """Return ``value`` if it is in ``allowed``, else raise a one-line ConfigError."""
     allowed = list(allowed)
     if value not in allowed:
-        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(allowed)}"
+                          f"{did_you_mean(value, allowed)}")
     return value
 
 

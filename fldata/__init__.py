@@ -161,9 +161,10 @@ def dataset_shape(settings: RunSettings) -> tuple[tuple[int, ...], int]:
             raise ConfigError(f"input-shape: {shape!r} is not a comma-separated list of "
                               "integers, e.g. '3,32,32'") from None
     if is_hub_id(settings.dataset):
-        raise ConfigError(f"dataset: {settings.dataset} comes from the Hugging Face hub, which "
-                          "the server does not download: set num-classes and input-shape "
-                          "(e.g. input-shape='3,32,32')")
+        raise ConfigError(f"dataset: {settings.dataset} is no file or folder in {Path.cwd()}, "
+                          "so it is read as a Hugging Face hub id, which the server does not "
+                          "download: set num-classes and input-shape (e.g. "
+                          "input-shape='3,32,32'), or give the local path in full")
     x, y = _pool(settings)  # the server can read it: take the facts from it
     return tuple(x.shape[1:]), int(y.max()) + 1
 

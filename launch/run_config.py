@@ -9,7 +9,7 @@ seconds, and stop with one line.
 
 from __future__ import annotations
 
-import difflib
+import os
 import re
 import sys
 import tomllib
@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunSettings
-from fldata import check_dataset, check_local_files, check_partition
+from common.config import ConfigError, RunSettings, did_you_mean
+from fldata import DATASETS, check_dataset, check_local_files, check_partition, is_hub_id
 from launch.app_project import app_defaults
 from server_app.results import CHECKPOINT
 from server_app.tracking import check_installed
@@ -51,7 +51,29 @@ def parse_overrides(items: Iterable[str], defaults: Mapping[str, Any]) -> dict[s
         if isinstance(defaults.get(name), str) and not isinstance(value, str):
             value = text
         overrides[name] = value
-    return overrides
+    return {name: (from_caller(name, value) if name in PATH_KEYS else value)
+            for name, value in overrides.items()}
+
+
+# keys whose value is a path on this machine, as typed relative to where the user ran the
+# command (the scripts run from the checkout: they pass that folder as CALLER_DIR_ENV)
+PATH_KEYS = ("dataset", "data-root", "resume-from")
+CALLER_DIR_ENV = "PFLOWER_CALLER_DIR"
+
+
+def from_caller(name: str, value: Any) -> Any:
+    """A relative path ``value`` of key ``name`` made absolute against the folder the user
+    ran the command in: always when it exists there; else unless it is a named dataset or
+    has a hub id's ``org/name`` form (then it stays a hub id, and the ServerApp says so)."""
+    if not isinstance(value, str) or not value or Path(value).is_absolute():
+        return value
+    if name == "dataset" and value in DATASETS:
+        return value
+    caller = Path(os.environ.get(CALLER_DIR_ENV) or os.getcwd())
+    local = caller / value
+    if local.exists() or not (name == "dataset" and is_hub_id(value)):
+        return str(local.resolve())
+    return value
 
 
 def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".",
@@ -65,9 +87,7 @@ def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".",
     defaults = app_defaults(Path(app_dir).resolve())
     for name in overrides:
         if name not in defaults:
-            close = difflib.get_close_matches(name, list(defaults), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{name}: unknown key{hint} (the keys are "
+            raise ConfigError(f"{name}: unknown key{did_you_mean(name, defaults)} (the keys are "
                               "[tool.flwr.app.config] in pyproject.toml)")
     run_config = {**defaults, **overrides}
     general = RunSettings.from_run_config(run_config)  # files first: the model reads them

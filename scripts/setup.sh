@@ -3,6 +3,8 @@
 # Sourced by the other scripts. A .venv that is not a usable virtualenv of this checkout (a
 # symlink, a dangling or foreign environment) is refused with one line instead of being used.
 set -euo pipefail
+# relative paths in the overrides are the user's, read from where the command was typed
+export PFLOWER_CALLER_DIR="$PWD"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
 venv_problem() {

@@ -54,6 +54,8 @@ CONFIG_MISTAKES = [
     (["partitioner=pathological", "classes-per-client=20"],
      "classes-per-client: 20 is out of range; allowed: [1, 10]"),
     (["method=fed per"], "method: cannot read the value 'fed per'"),
+    (["partitioner=Dirichlet"], "allowed: iid, dirichlet, pathological, domain, natural; did "
+     "you mean 'dirichlet'?"),
     # differential privacy: a rule that would change the noised sum's sensitivity
     (["dp.mode=central", "aggregation.rule=median"],
      "aggregation.rule='median' with dp.mode='central': the noise is calibrated to a sum of "
@@ -64,6 +66,9 @@ CONFIG_MISTAKES = [
 METHOD_RULE_MISTAKES = [
     (["method=fedfoo"], "method: unknown value 'fedfoo'; allowed: fedavg, fedprox, local, "
      "fedper, fedrep, fedbn, fedavg-ft, feddecomp, pfedc, factorized-fl, fedfac"),
+    (["method=fedprx"], "method: unknown value 'fedprx'; allowed: fedavg, fedprox, local, "
+     "fedper, fedrep, fedbn, fedavg-ft, feddecomp, pfedc, factorized-fl, fedfac; did you mean "
+     "'fedprox'?"),
     (["method=fedrep", "local-epochs=1"],
      "fedrep.head-epochs: 1 leaves no epoch of local-epochs=1 to the shared part; allowed: "
      "[0, 0]"),

@@ -42,6 +42,25 @@ def test_an_override_that_cannot_be_read_names_its_key():
             parse_overrides([item], DEFAULTS)
 
 
+def test_a_relative_path_is_read_from_where_the_user_typed_it(tmp_path, monkeypatch):
+    """The scripts run from the checkout; a relative ``dataset``, ``data-root`` or
+    ``resume-from`` is the user's, in the folder they typed it in: an existing one is that
+    local path, even in a hub id's ``org/name`` form; a missing one is a hub id only in
+    that form, else the local path the one-line error names."""
+    (tmp_path / "data" / "mine" / "a").mkdir(parents=True)
+    monkeypatch.setenv("PFLOWER_CALLER_DIR", str(tmp_path))
+    read = parse_overrides(["dataset=data/mine", "data-root=data", "resume-from=data/../data"],
+                           DEFAULTS)
+    assert read == {"dataset": str(tmp_path / "data" / "mine"), "data-root": str(tmp_path / "data"),
+                    "resume-from": str(tmp_path / "data")}
+    assert parse_overrides(["dataset=org/set"], DEFAULTS) == {"dataset": "org/set"}
+    assert parse_overrides(["dataset=digits"], DEFAULTS) == {"dataset": "digits"}
+    missing = parse_overrides(["dataset=mine.npz"], DEFAULTS)
+    assert missing == {"dataset": str(tmp_path / "mine.npz")}
+    with pytest.raises(ConfigError, match=rf"^dataset: no such file or directory: {tmp_path}"):
+        check_run_config(missing, ROOT)
+
+
 def test_the_check_names_unknown_keys_with_the_closest_known_one():
     with pytest.raises(ConfigError, match=r"^num-server-round: unknown key; did you mean "
                                           r"'num-server-rounds'\?"):
