@@ -19,13 +19,13 @@ from common.config import ConfigError, KeyGroup, RunSettings, in_range, key, one
 from fldata.cache import cache_key, cached_split, fingerprint
 from fldata.idx import find_idx_dir, search_dirs
 from fldata.partition import (
-    VALIDATION_STREAM,
     check_feature_shift,
+    check_split_sizes,
     feature_shift,
     label_permutation,
     natural_indices,
     partition_indices,
-    train_test_split,
+    split_positions,
 )
 from fldata.sources import (
     DATA_FILES,
@@ -334,31 +334,13 @@ def load_client_data(settings: RunSettings, partition_id: int, num_partitions: i
                       num_classes)
 
 
-def split_positions(y: np.ndarray, settings: RunSettings, partition_id: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Positions in a client's labels ``y`` of the examples it trains on and of those it is
-    evaluated on: its test split, or its validation split (carved from the training share)
-    where ``validation-fraction`` is above 0."""
-    train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
-    if settings.validation_fraction > 0:  # carved from the training share; the test split unused
-        fit, validation = train_test_split(y[train], settings.validation_fraction, settings.seed,
-                                           partition_id, stream=VALIDATION_STREAM)
-        train, test = train[fit], train[validation]
-    return train, test
-
-
-# A client evaluated on fewer examples than this scores in steps of more than 20 points
-SMALL_TEST_SPLIT = 5
-
-
 def check_partition(settings: RunSettings, num_partitions: int) -> str | None:
     """The whole partition of the run's pool over ``num_partitions`` clients, drawn once on
     the pool's labels before any client starts, as every client will draw it
-    (``fldata.partition``: a pure function). Raises a one-line ``ConfigError`` naming the
-    fix when it cannot be drawn or leaves a client without a training or an evaluation
-    example; returns a warning (or None) when some clients are evaluated on fewer than
-    ``SMALL_TEST_SPLIT`` examples. A pool this machine does not hold (a hub dataset) and
-    the synthetic generator (a client's own draw) are not checked here."""
+    (``fldata.partition``: a pure function), and checked (``check_split_sizes``: raises a
+    one-line ``ConfigError`` naming the fix, returns a warning or None). A pool this
+    machine does not hold (a hub dataset) and the synthetic generator (a client's own draw)
+    are not checked here."""
     source = pool_source(settings)
     if settings.dataset == "synthetic-fedfac" or source is None:
         return None
@@ -370,25 +352,7 @@ def check_partition(settings: RunSettings, num_partitions: int) -> str | None:
     else:
         parts = [partition_indices(y_pool, settings, pid, num_partitions)
                  for pid in range(num_partitions)]
-    sizes = np.array([[len(s) for s in split_positions(y_pool[idx], settings, pid)]
-                      for pid, idx in enumerate(parts)])
-    evaluated_on = "validation" if settings.validation_fraction > 0 else "test"
-    for column, split in ((0, "training"), (1, evaluated_on)):
-        empty = np.flatnonzero(sizes[:, column] == 0)
-        if len(empty):
-            fixes = ("use fewer clients, raise min-partition-size or dirichlet-alpha"
-                     if settings.partitioner == "dirichlet" else "use fewer clients")
-            raise ConfigError(
-                f"partitioner: {len(empty)} of {num_partitions} clients get no {split} "
-                f"example from the pool of {len(y_pool)} (client {empty[0]} holds "
-                f"{len(parts[empty[0]])} examples); {fixes}")
-    small = sizes[:, 1] < SMALL_TEST_SPLIT
-    if not small.any():
-        return None
-    return (f"{small.sum()} of {num_partitions} clients are evaluated on fewer than "
-            f"{SMALL_TEST_SPLIT} {evaluated_on} examples (the smallest on "
-            f"{sizes[:, 1].min()}): their accuracy moves in steps of "
-            f"{100 / sizes[:, 1].min():.0f} points or more")
+    return check_split_sizes([y_pool[idx] for idx in parts], settings)
 
 
 def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_classes: int,

@@ -204,3 +204,47 @@ def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,
         test_positions = train_positions[kept:kept + 1]
         train_positions = np.delete(train_positions, kept)
     return train_positions, test_positions
+
+
+def split_positions(y: np.ndarray, settings: RunSettings, partition_id: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in a client's labels ``y`` of the examples it trains on and of those it is
+    evaluated on: its test split, or its validation split (carved from the training share)
+    where ``validation-fraction`` is above 0."""
+    train, test = train_test_split(y, settings.test_fraction, settings.seed, partition_id)
+    if settings.validation_fraction > 0:  # carved from the training share; the test split unused
+        fit, validation = train_test_split(y[train], settings.validation_fraction, settings.seed,
+                                           partition_id, stream=VALIDATION_STREAM)
+        train, test = train[fit], train[validation]
+    return train, test
+
+
+# A client evaluated on fewer examples than this scores in steps of more than 20 points
+SMALL_TEST_SPLIT = 5
+
+
+def check_split_sizes(client_labels: list[np.ndarray], settings: RunSettings) -> str | None:
+    """Every client's split, from its labels (``client_labels[i]``: partition ``i``'s):
+    raises a one-line ``ConfigError`` naming the fix when a client gets no training or no
+    evaluation example; returns a warning (or None) when some clients are evaluated on fewer
+    than ``SMALL_TEST_SPLIT`` examples."""
+    num_partitions = len(client_labels)
+    sizes = np.array([[len(s) for s in split_positions(y, settings, pid)]
+                      for pid, y in enumerate(client_labels)])
+    evaluated_on = "validation" if settings.validation_fraction > 0 else "test"
+    for column, split in ((0, "training"), (1, evaluated_on)):
+        empty = np.flatnonzero(sizes[:, column] == 0)
+        if len(empty):
+            fixes = ("use fewer clients, raise min-partition-size or dirichlet-alpha"
+                     if settings.partitioner == "dirichlet" else "use fewer clients")
+            raise ConfigError(
+                f"partitioner: {len(empty)} of {num_partitions} clients get no {split} "
+                f"example from the pool of {sum(map(len, client_labels))} (client "
+                f"{empty[0]} holds {len(client_labels[empty[0]])} examples); {fixes}")
+    small = sizes[:, 1] < SMALL_TEST_SPLIT
+    if not small.any():
+        return None
+    return (f"{small.sum()} of {num_partitions} clients are evaluated on fewer than "
+            f"{SMALL_TEST_SPLIT} {evaluated_on} examples (the smallest on "
+            f"{sizes[:, 1].min()}): their accuracy moves in steps of "
+            f"{100 / sizes[:, 1].min():.0f} points or more")

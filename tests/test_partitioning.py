@@ -303,7 +303,8 @@ def test_the_whole_partition_is_checked_before_any_client_starts():
     """``check_partition`` draws every client's split on the pool's labels: a client left
     without an evaluation example is refused with the fix named; clients evaluated on a
     handful of examples are warned about, once, with how many and how small."""
-    from fldata import SMALL_TEST_SPLIT, check_partition
+    from fldata import check_partition
+    from fldata.partition import SMALL_TEST_SPLIT
 
     assert check_partition(settings(partitioner="iid"), 10) is None
     with pytest.raises(ConfigError, match=r"\d+ of 1000 clients get no test example .*use "
