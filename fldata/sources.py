@@ -7,6 +7,8 @@ int64 class ids. Images are scaled to [0, 1] and normalised per channel (mean 0.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -247,7 +249,8 @@ def load_column(path: str | Path, column: str) -> np.ndarray:
             (path.is_file() and path.suffix.lower() in DATA_FILES) or _saved_by_datasets(path)):
         raise ConfigError(f"partitioner: 'natural' needs a dataset with columns (a parquet, "
                           f"csv or json file, or a saved dataset); {path.name} has none")
-    loaded = _open_dataset(path)
+    with _no_progress_bars():
+        loaded = _open_dataset(path)
     if column not in loaded.column_names:
         raise ConfigError(f"partition-column: no column {column!r}; the dataset has "
                           f"{', '.join(loaded.column_names)}")
@@ -276,7 +279,31 @@ def load_local(path: str | Path, label_column: str = "label",
     if path.is_file() and path.suffix.lower() not in DATA_FILES:
         raise ConfigError(f"dataset: cannot read {path.name}; a local file must be .npz or "
                           f"{', '.join(DATA_FILES)}")
-    return arrays_from_hf(_open_dataset(path), label_column, image_column)
+    with _no_progress_bars():
+        return arrays_from_hf(_open_dataset(path), label_column, image_column)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """``datasets``' progress bars off while it reads local files: its builders call copying
+    a local file "Downloading data" and show it, and "Generating train split", for a folder
+    of images read in a second. Its warnings and errors still show (its logging is left as
+    it is); ``HF_DATASETS_DISABLE_PROGRESS_BARS=0``, a user's wish for the bars, is kept."""
+    from datasets import config
+    from datasets.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    if are_progress_bars_disabled() or config.HF_DATASETS_DISABLE_PROGRESS_BARS is False:
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
 
 
 def _open_dataset(path: Path) -> datasets.Dataset:
@@ -290,5 +317,20 @@ def _open_dataset(path: Path) -> datasets.Dataset:
     elif _saved_by_datasets(path):
         loaded = datasets.load_from_disk(str(path))
     else:
+        check_class_folders(path)
         loaded = datasets.load_dataset("imagefolder", data_dir=str(path), split="train")
     return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
+
+
+def check_class_folders(path: Path) -> None:
+    """An image folder without a metadata file takes its labels from its sub-folders, one a
+    class: with fewer than two, ``datasets`` makes no label column at all, and the run would
+    fail later on a missing ``label`` column. Refused here, saying so."""
+    if any(path.glob("metadata.*")):
+        return
+    classes = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(classes) < 2:
+        held = f"one ({classes[0]!r})" if classes else "none"
+        raise ConfigError(f"dataset: the image folder {path} has {held} of the class folders "
+                          "that give its labels; put each class's images in a sub-folder of "
+                          "its own, at least two (or add a metadata.csv with a label column)")

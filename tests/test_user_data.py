@@ -7,6 +7,7 @@ partitioners, they run in a real simulation. Hub ids (``org/name``) are told fro
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from sklearn.datasets import load_digits
 
 from common.config import ConfigError
 from fldata import dataset_shape, is_hub_id, is_local_path, load_client_data
-from fldata.sources import load_local, normalise_images
+from fldata.sources import load_column, load_local, normalise_images
 from strategies.registry import load_settings
 from tests.conftest import ROOT, app_config, check_results_schema, read_results
 
@@ -107,6 +108,25 @@ def test_a_local_dataset_is_partitioned_by_the_run_partitioner(user_data, kind, 
         assert max(classes) > 2, classes
 
 
+def test_local_data_is_read_without_download_progress_bars(tmp_path, capfd):
+    """``datasets`` calls reading local files "Downloading data" and shows a bar for it (and
+    for "Generating train split"): local data is read quietly. Fresh copies, so that
+    ``datasets`` builds them here rather than finding them in its cache."""
+    from datasets.utils import are_progress_bars_disabled
+
+    if are_progress_bars_disabled():
+        pytest.skip("datasets' progress bars are off in this environment")
+    folder = write_image_folder(tmp_path / "digits")
+    table = write_parquet(tmp_path / "digits.parquet")
+    capfd.readouterr()
+    assert len(load_local(folder)[1]) == DIGITS
+    assert len(load_local(table, "digit", "picture")[1]) == DIGITS
+    assert load_column(table, "writer")[0] == "writer-0"
+    printed = capfd.readouterr()
+    assert printed.out == "" and printed.err == "", printed
+    assert not are_progress_bars_disabled()  # on again for a hub download's bar
+
+
 def test_the_natural_partitioner_gives_each_writer_its_own_client(user_data):
     """One client per distinct value of ``partition-column``: here each writer's digits,
     train and test, and nobody else's."""
@@ -144,7 +164,9 @@ def test_hub_ids_are_told_from_local_paths(tmp_path):
     assert is_hub_id("uoft-cs/cifar10") and not is_local_path("uoft-cs/cifar10")
     for path in (str(tmp_path), "data/train.parquet", "./images", "pool.npz"):
         assert is_local_path(path) and not is_hub_id(path), path
-    with pytest.raises(ConfigError, match="set num-classes and input-shape"):
+    with pytest.raises(ConfigError, match=r"^dataset: someone/their-images is no file or folder "
+                       r"in .*, so it is read as a Hugging Face hub id, .*set num-classes and "
+                       "input-shape"):
         load_settings(app_config(dataset="someone/their-images"))
     settings = load_settings(app_config(dataset="someone/their-images", **{
         "num-classes": 4, "input-shape": "3,32,32"}))
@@ -165,3 +187,20 @@ def test_a_users_dataset_runs_two_rounds(federation, tmp_path, user_data, kind, 
                                 "output-dir": str(tmp_path)}, num_supernodes=3)
     assert run.ok, run.output[-3000:]
     check_results_schema(read_results(tmp_path), "fedavg", 2, 3)
+
+
+@pytest.mark.parametrize("class_folders", [0, 1])
+def test_an_image_folder_with_fewer_than_two_class_folders_says_so(tmp_path, class_folders):
+    """Its labels come from its class folders: with one, ``datasets`` would make no label
+    column, and the error would be about a missing ``label`` column."""
+    images, _ = digit_images()
+    folder = tmp_path / "images"
+    inside = folder / "cats" if class_folders else folder
+    inside.mkdir(parents=True)
+    for i in range(4):
+        (inside / f"{i}.png").write_bytes(png(images[i]))
+    held = "one ('cats')" if class_folders else "none"
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            f"dataset: the image folder {folder} has {held} of the class folders that give its "
+            "labels; put each")):
+        load_local(folder)
