@@ -40,7 +40,7 @@ from typing import Any
 from common.config import ConfigError
 from launch.app_project import app_defaults, bundle_files
 from launch.control_api import LogStream, finished, list_runs, run_record, start_run
-from launch.processes import free_port, stop_process_groups
+from launch.processes import for_terminal_only, free_port, stop_process_groups, uncoloured
 from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
 from launch.run_output import RAY_GPU_TIP, save_run_log
@@ -383,16 +383,16 @@ def main() -> None:
     except ConfigError as error:
         print(f"pflower: {error}", file=sys.stderr)
         sys.exit(2)
+    sys.stdout = for_terminal_only(sys.stdout)  # the echo: colours for a terminal only
     with LocalFederation(ray_address=args.ray_address) as federation:
         run = federation.flwr_run(args.app, run_config, federation.federation_config(
             args.supernodes, args.cpus_per_client, args.gpus_per_client), echo=True)
-    outcome = run.status or "not started"
-    saved = save_run_log(run.output)
+    saved = save_run_log(uncoloured(run.output))  # a file: never coloured
     stream = sys.stdout if run.ok else sys.stderr
     if saved:  # the whole stream, the lines left out of the terminal included
         print(f"full log: {saved}", file=stream)
-    print(f"run {run.run_id}: {outcome}" + (f": {run.reason}" if run.reason else ""),
-          file=stream)
+    print(f"run {run.run_id}: {run.status or 'not started'}"
+          + (f": {run.reason}" if run.reason else ""), file=stream)
     sys.exit(0 if run.ok else 1)
 
 

@@ -1,16 +1,19 @@
-"""Ports and process groups for the launchers: a free port for a server we start, and
-stopping a process with every process it started."""
+"""Ports, process groups and output for the launchers: a free port for a server we start,
+stopping a process with every process it started, and what the processes print less its
+colour codes where it is not shown on a terminal."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 _HANDED_OUT: set[int] = set()
 
@@ -101,3 +104,34 @@ def stop_process_groups(process: subprocess.Popen, term_wait: float) -> None:
             time.sleep(0.05)
         if not groups:
             break
+
+
+# Flower colours each line's level (flwr.common.logger's ConsoleHandler: always, with no
+# setting to turn it off) in every process of a run, whatever its output: a run's stream
+# carries the codes. Any ANSI control sequence (CSI), colours included
+ANSI_CODE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+def uncoloured(text: str) -> str:
+    """``text`` less its colour codes (a log file, an output that is not a terminal)."""
+    return ANSI_CODE.sub("", text)
+
+
+class Uncoloured:
+    """A text stream that passes on what is written to it less colour codes: the echo of a
+    run whose output goes to a file or a pipe."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(uncoloured(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def for_terminal_only(stream: Any) -> Any:
+    """``stream`` itself where it is a terminal (the colours shown), else ``Uncoloured``."""
+    isatty = getattr(stream, "isatty", None)
+    return stream if isatty is not None and isatty() else Uncoloured(stream)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 import time
 import warnings
 from logging import WARNING
@@ -44,8 +45,10 @@ def check_installed(names: list[str]) -> None:
                for module, package in [REQUIREMENTS[name]]
                if importlib.util.find_spec(module) is None]
     if missing:
+        # the Python that lacks them, named: a bare pip can be another one's (the system's)
         raise ConfigError(f"tracking: {' and '.join(missing)} not installed where the "
-                          "ServerApp runs; install the extra: pip install -e '.[tracking]'")
+                          f"ServerApp runs; install the extra: {sys.executable} -m pip "
+                          "install -e '.[tracking]'")
 
 
 def round_metrics(entry: dict[str, Any]) -> dict[str, float]:

@@ -1,9 +1,11 @@
 """``LocalFederation`` interrupted mid-run (a benchmark or test killed with SIGTERM) stops at
-once and leaves no process behind, including the SuperExec's session (flwr-simulation, Ray)."""
+once and leaves no process behind, including the SuperExec's session (flwr-simulation, Ray);
+the demo's echo keeps Flower's colours for a terminal only."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -15,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from launch.processes import _ephemeral_low, descendant_groups, free_port
+from launch.processes import (
+    _ephemeral_low,
+    descendant_groups,
+    for_terminal_only,
+    free_port,
+    uncoloured,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +107,23 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert all(20_000 <= p < _ephemeral_low() for p in ports)
+
+
+def test_the_echo_keeps_flowers_colours_for_a_terminal_only():
+    """Flower colours its lines' levels whatever the output: the demo's echo drops the codes
+    when its stdout is a file or a pipe (the real run: ``test_fail_fast``'s clean run)."""
+    line = "\x1b[92mINFO \x1b[0m:      [round 1/3] training\n"
+    assert uncoloured(line) == "INFO :      [round 1/3] training\n"
+    piped = io.StringIO()
+    print(line, end="", file=for_terminal_only(piped), flush=True)
+    assert piped.getvalue() == "INFO :      [round 1/3] training\n"
+    controller, terminal = os.openpty()
+    try:
+        with open(terminal, "w", closefd=False) as stream:
+            assert for_terminal_only(stream) is stream
+    finally:
+        os.close(controller)
+        os.close(terminal)
 
 
 def _start_error(head) -> str | None:
