@@ -57,6 +57,10 @@ def row_style(index: int) -> dict[str, Any]:
 
 
 def draw_curves(ax: Any, rows: Mapping[str, Curves]) -> None:
+    """Each row's curve over rounds (mean over seeds, band: min..max), ticks on whole
+    rounds only (a run of 2 rounds has no round 1.5)."""
+    from matplotlib.ticker import MaxNLocator
+
     for index, (label, (rounds, curves)) in enumerate(rows.items()):
         array = np.asarray(curves, dtype=float)
         style = row_style(index)
@@ -64,6 +68,7 @@ def draw_curves(ax: Any, rows: Mapping[str, Curves]) -> None:
                 linestyle=style["linestyle"])
         ax.fill_between(rounds, array.min(0), array.max(0), alpha=0.12, color=style["color"])
     ax.set(xlabel="round", ylabel="personalized accuracy (weighted)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def draw_accuracy_vs_uplink(ax: Any, rows: Mapping[str, Point]) -> None:

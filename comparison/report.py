@@ -4,13 +4,92 @@ and two plots, from the summary of ``comparison/stats.py``'s statistics."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
-from comparison.stats import CONVERGED_SLOPE, LAST_ROUNDS, SLOPE_ROUNDS, config_tag, points
+from comparison.stats import (
+    CONVERGED_SLOPE,
+    LAST_ROUNDS,
+    SLOPE_ROUNDS,
+    config_tag,
+    figure_rounds,
+    full_window_rounds,
+    points,
+    run_figures,
+    run_window,
+)
 
 FEW_SEEDS = 3  # below this, a 95% interval over seeds is too wide to tell anything apart
+# compare reads a run on its last rounds, none in the first quarter of its rounds
+# (comparison.stats.figure_rounds): a short run's first rounds would pull every method down
+SKIP_FIRST_QUARTER = True
+# summary.json's and each run record's units: fractions where the report and the printed lines
+# write points (x 100)
+UNITS = {"accuracy": "fraction (0-1): every accuracy, curve, per-seed figure, paired "
+                     "difference, interval and margin in this file; report.md and the printed "
+                     "lines write points (percent, x 100)",
+         "slope": "fraction per round (report.md: points per round)",
+         "mb_up": "MB (1024**2 bytes), total sent by the clients",
+         "seconds": "seconds, the rounds' wall time",
+         "window": "round numbers: the evaluated rounds a run's figures are the mean of"}
+
+
+def window_text(rounds: Sequence[int]) -> str:
+    """Rounds as a line of a report names them: ``round 2``, ``rounds 6-10``, or each of
+    them where one is missing (``rounds 5, 7, 8``)."""
+    if len(rounds) == 1:
+        return f"round {rounds[0]}"
+    if list(rounds) == list(range(rounds[0], rounds[-1] + 1)):
+        return f"rounds {rounds[0]}-{rounds[-1]}"
+    return f"rounds {', '.join(map(str, rounds))}"
+
+
+def short_runs_warning(run_lengths: Iterable[int]) -> str | None:
+    """What a comparison of runs this many rounds long says once, where some are too short
+    for a full window of ``LAST_ROUNDS`` rounds; None where none is."""
+    short = sorted({n for n in run_lengths
+                    if len(figure_rounds(range(1, n + 1), SKIP_FIRST_QUARTER)) < LAST_ROUNDS})
+    if not short:
+        return None
+    read = []
+    for n in short:
+        window = figure_rounds(range(1, n + 1), SKIP_FIRST_QUARTER)
+        read.append(f"{window_text(window)} ({len(window)} of its {n}"
+                    f"{', nothing else is left' if n == 1 else ''})")
+    return (f"a run of {short[0]} round{'s' * (short[0] > 1)} is read on {read[0]}"
+            + "".join(f", one of {n} rounds on {text}" for n, text in zip(short[1:], read[1:],
+                                                                          strict=True))
+            + f": a run's figures are the mean of its last {LAST_ROUNDS} evaluated rounds, "
+            "none in the first quarter of its rounds, so a short run is read on fewer; run "
+            f"{full_window_rounds()} rounds or more for all {LAST_ROUNDS}")
+
+
+def run_text(summary: Mapping[str, Any]) -> str:
+    """A completed run's figures as the report reads them (the same rounds, in points): the
+    line ``scripts/compare.sh`` prints as the run ends."""
+    figures = run_figures(summary, SKIP_FIRST_QUARTER)
+    split = "validation " if summary.get("evaluated_on") == "validation" else ""
+    return (f"{split}accuracy {100 * figures['accuracy']:.1f}, min client "
+            f"{100 * figures['accuracy_min']:.1f} (points, mean of "
+            f"{window_text(run_window(summary, SKIP_FIRST_QUARTER))})")
+
+
+def _windows(summary: dict[str, Any]) -> tuple[str, list[int]]:
+    """The rounds the runs' figures are the mean of, as the report's header names them (per
+    row where they differ), and the runs' lengths (their last evaluated round)."""
+    rows: dict[str, list[str]] = {}
+    lengths = []
+    for label, row in summary["rows"].items():
+        for rounds in row["rounds"].values():
+            text = window_text(figure_rounds(rounds, SKIP_FIRST_QUARTER))
+            if label not in rows.setdefault(text, []):
+                rows[text].append(label)
+            lengths.append(rounds[-1])
+    if len(rows) <= 1:
+        return next(iter(rows), f"the last {LAST_ROUNDS} rounds"), lengths
+    return ", ".join(f"{text} ({', '.join(labels)})" for text, labels in rows.items()), lengths
 
 
 def report_markdown(summary: dict[str, Any], command: str) -> str:
@@ -25,15 +104,22 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
     rounds = max((len(c) for row in summary["rows"].values() for c in row["curves"].values()),
                  default=0)
     window = min(SLOPE_ROUNDS, rounds)
+    averaged, lengths = _windows(summary)
+    short = short_runs_warning(lengths)
+    clients = protocol.get("clients")  # none in a summary written before it was recorded
+    opening = (f"{clients} client{'s' * (clients > 1)} (`--supernodes`: the data is split "
+               f"into {clients} partition{'s' * (clients > 1)}, one per client); seeds "
+               if clients else "Seeds ")
     lines = [
         "# Comparison\n", f"```\n{command}\n```\n",
-        f"Seeds {', '.join(map(str, seeds))}; a row with a grid was tuned on seed "
+        f"{opening}{', '.join(map(str, seeds))}; a row with a grid was tuned on seed "
         f"{protocol['tuning_seed']}, each configuration scored on validation splits "
         f"({protocol['validation_fraction']:.0%} of every client's training share; never a "
-        "test split), and the one with the best mean validation accuracy over its last "
-        f"{LAST_ROUNDS} rounds kept. Every figure is in accuracy points (percent). Accuracy: "
-        "personalized, weighted by test examples, mean of the last "
-        f"{min(LAST_ROUNDS, rounds)} evaluated rounds, then mean ± standard deviation over "
+        "test split), and the one with the best mean validation accuracy over the same "
+        "rounds as below kept. Every figure is in accuracy points (percent; summary.json "
+        "holds fractions). Accuracy: personalized, weighted by test examples, mean of "
+        f"{averaged} (a run's last {LAST_ROUNDS} evaluated rounds, none in the first quarter "
+        "of its rounds), then mean ± standard deviation over "
         "seeds (never the best round). Min client: the same for the lowest client. Slope: "
         f"points per round over the last {window} rounds, mean over seeds; marked not "
         "converged where the upper end of its 95% interval over seeds lies above "
@@ -41,6 +127,7 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
         "with one seed. Versus the reference: the paired "
         "difference per seed, its mean and 95% interval; not worse: the interval lies at or "
         f"above {margin:+.1f} (`--margin`); better: it lies above 0.\n",
+        *([f"**Short runs**: {short}.\n"] if short else []),
         *([f"**{len(seeds)} seed{'s' if len(seeds) > 1 else ''} only**: with fewer than "
            f"{FEW_SEEDS} the 95% intervals are too wide to tell methods apart (with 2, "
            "Student's t is 12.7 standard errors wide); run 5 seeds before you conclude.\n"]
@@ -48,8 +135,9 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
         *([f"**Unequal tuning budgets** ({', '.join(f'{k} {n}' for k, n in budget.items())} "
            "configurations): the rows with more are favoured; give every row the same "
            "number for a fair comparison.\n"] if len(set(budget.values())) > 1 else []),
-        f"| row | configuration (of searched) | seeds | accuracy | min client | slope "
-        f"(points/round) | uplink MB | seconds | vs {reference} | not worse | better |",
+        "| row | configuration (of searched) | seeds | accuracy (points) | min client "
+        f"(points) | slope (points/round) | uplink MB | seconds | vs {reference} (points, "
+        "95% interval) | not worse | better |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, row in summary["rows"].items():
         versus = row.get("versus_reference")
@@ -84,26 +172,32 @@ def _convergence(row: dict[str, Any]) -> str:
 
 def plot(summary: dict[str, Any], out: Path) -> None:
     """accuracy.png: each row's curve (mean over seeds, band: min..max); and
-    accuracy-vs-uplink.png: each row's accuracy (± std) against its uplink."""
+    accuracy-vs-uplink.png: each row's accuracy (± std) against its uplink; in points, as
+    the report."""
     curves = {}
     for label, row in summary["rows"].items():
         # the rounds every seed evaluated (a round whose evaluations were all dropped is
         # missing from its seed's curve)
         common = sorted(set.intersection(*(set(r) for r in row["rounds"].values())))
-        curves[label] = (common, [[dict(zip(row["rounds"][s], c, strict=True))[r]
+        curves[label] = (common, [[100 * dict(zip(row["rounds"][s], c, strict=True))[r]
                                    for r in common] for s, c in row["curves"].items()])
     fig, (ax,) = figure(7, 4.5)
     draw_curves(ax, curves)
+    ax.set(ylabel="personalized accuracy (points, weighted)")
     ax.legend(fontsize=7)
     save(fig, out / "accuracy.png")
     fig, (ax,) = figure(6, 4.5)
-    draw_accuracy_vs_uplink(ax, {label: (row["mb_up"][0], *row["accuracy"])
+    draw_accuracy_vs_uplink(ax, {label: (row["mb_up"][0], 100 * row["accuracy"][0],
+                                         100 * row["accuracy"][1])
                                  for label, row in summary["rows"].items()})
+    ax.set(ylabel=f"accuracy (points, mean of {_windows(summary)[0]})")
     ax.legend(fontsize=7)
     save(fig, out / "accuracy-vs-uplink.png")
 
 
 def write_report(summary: dict[str, Any], out: Path, command: str) -> str:
+    """report.md, summary.json (fractions, its ``units`` say so) and the plots under
+    ``out``; the report's text."""
     text = report_markdown(summary, command)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.md").write_text(text)

@@ -53,6 +53,13 @@ class RunOutcome(Protocol):
 
 # (run_config with its ``output-dir``, context) -> how the run ended
 Runner = Callable[[dict[str, Any], dict[str, Any]], RunOutcome]
+# a stored record of a run that completed -> its figures in the line printed as it ends
+Describe = Callable[[Mapping[str, Any]], str]
+
+
+def final_figures(entry: Mapping[str, Any]) -> str:
+    """A run's final accuracies, as fractions (the evidence matrix's line)."""
+    return f"acc {entry['accuracy_weighted']:.4f} min {entry['accuracy_min']:.4f}"
 
 
 class RunStore:
@@ -60,16 +67,19 @@ class RunStore:
 
     ``defaults``: the app's run-config defaults today; ``methods``: every method's name (whose
     keys are ``<method>.<key>``); ``stamp``: what to record about the code and machine of a
-    run as it starts (a commit, say); ``prefix``: of the lines it prints."""
+    run as it starts (a commit, say); ``prefix``: of the lines it prints; ``describe``: a
+    completed run's figures in the line printed as it ends (the caller's report's figures,
+    in its unit)."""
 
     def __init__(self, defaults: Mapping[str, Any], methods: Collection[str],
                  runner: Runner | None = None, stamp: Callable[[], dict[str, Any]] | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", describe: Describe = final_figures) -> None:
         self.defaults = dict(defaults)
         self.methods = frozenset(methods)
         self.runner = runner
         self.stamp = stamp
         self.prefix = prefix
+        self.describe = describe
         self.failed: list[str] = []  # "<name>: <why>" of each run that failed here
 
     def resolved(self, run_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,7 +142,7 @@ class RunStore:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(entry, indent=1))
         figures = (f"diverged ({entry['reason']})" if "reason" in entry else
-                   f"acc {entry['accuracy_weighted']:.4f} min {entry['accuracy_min']:.4f}")
+                   self.describe(entry))
         print(f"{self.prefix}{name}: {figures} {wall:.0f} s", flush=True)
         return entry
 

@@ -13,10 +13,12 @@ of every client's training share held out as its validation split, and the one w
 mean validation accuracy over its last rounds is kept (``comparison.stats.choose``: no test
 split is read to choose); then every row runs its configuration on each of ``--seeds``.
 The report (``report.md``, ``summary.json`` and two plots) gives, per row, the
-statistics of ``comparison/stats.py`` (the evidence matrix's): the mean of the last 5
-rounds' personalized accuracy over seeds, the lowest client's, the slope over the last 10
-rounds, uplink and time, and the paired difference per seed against ``--reference`` with its
-95% interval.
+statistics of ``comparison/stats.py`` (the evidence matrix's): the mean over seeds of each
+run's personalized accuracy over its last 5 rounds (none in the first quarter of its rounds:
+a run of 5 rounds is read on rounds 3-5, as the report and a warning say), the lowest
+client's, the slope over the last 10 rounds, uplink and time, and the paired difference per
+seed against ``--reference`` with its 95% interval; in points in the report and the printed
+lines, in fractions in ``summary.json`` (its ``units`` say so).
 
 Everything is written under ``--out`` (default ``outputs/compare-<UTC time>`` in the current
 folder), each run in ``runs/<row>/<stage>-<config>-seed<k>/`` with its record beside it
@@ -40,7 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
-from comparison.report import write_report
+from comparison.report import (
+    SKIP_FIRST_QUARTER,
+    UNITS,
+    run_text,
+    short_runs_warning,
+    write_report,
+)
 from comparison.runs import RunStore
 from comparison.stats import (
     accuracy_difference,
@@ -49,6 +57,7 @@ from comparison.stats import (
     judge_difference,
     method_stats,
     run_figures,
+    run_window,
 )
 from launch.app_project import app_defaults
 from launch.federation import FlowerRun, LocalFederation, warm_federation
@@ -96,7 +105,9 @@ class Comparison:
         self.validation_fraction = validation_fraction  # of a tuning run's training shares
         # the simulation's size and each client's resources (LocalFederation.federation_config)
         self.out, self.federation_config, self.run_timeout = out, federation_config, run_timeout
-        self.store = RunStore(app_defaults(app), REGISTRY, self._run, prefix="[compare] ")
+        self.store = RunStore(app_defaults(app), REGISTRY, self._run, prefix="[compare] ",
+                              describe=run_text)
+        self.run_lengths: set[int] = set()  # the runs' num-server-rounds (``check``)
 
     def run_config(self, row: Row, stage: str, config: dict[str, Any], seed: int
                    ) -> dict[str, Any]:
@@ -115,6 +126,7 @@ class Comparison:
                                                 self.app)
                     if settings.fraction_evaluate == 0:
                         raise ConfigError("fraction-evaluate: 0 evaluates nothing to compare")
+                    self.run_lengths.add(settings.num_server_rounds)
                 except ConfigError as error:
                     raise ConfigError(f"{row.label} {config_tag(config)}: {error}") from None
 
@@ -128,7 +140,8 @@ class Comparison:
             out.with_name(f"{name}.json"),
             {**self.run_config(row, stage, config, seed), "output-dir": str(out)},
             name=f"{row.label} {stage} {config_tag(config)} seed {seed}",
-            about={"label": row.label, "stage": stage, "config": config, "seed": seed},
+            about={"label": row.label, "stage": stage, "config": config, "seed": seed,
+                   "units": UNITS},
             context={"num_clients": self.federation_config["num-supernodes"]},
             may_run=self.federation is not None)
 
@@ -149,8 +162,10 @@ class Comparison:
                 if (summary := self.summary(row, "tune", config, tuning_seed)) is not None]
         if not runs:
             raise RuntimeError(f"{row.label}: every tuning run failed")
-        return choose(runs), [{"config": config, "evaluated_on": summary["evaluated_on"],
-                               **run_figures(summary)} for config, summary in runs]
+        return choose(runs, SKIP_FIRST_QUARTER), [
+            {"config": config, "evaluated_on": summary["evaluated_on"],
+             "window": run_window(summary, SKIP_FIRST_QUARTER),
+             **run_figures(summary, SKIP_FIRST_QUARTER)} for config, summary in runs]
 
 
 def budgets(rows: Sequence[Row]) -> dict[str, int]:
@@ -161,7 +176,10 @@ def budgets(rows: Sequence[Row]) -> dict[str, int]:
 def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
             tuning_seed: int, reference: str, margin: float) -> dict[str, Any]:
     """Tune, then run every row on every seed; the summary (``summary.json``)."""
-    summary: dict[str, Any] = {"protocol": {"seeds": list(seeds), "tuning_seed": tuning_seed,
+    summary: dict[str, Any] = {"units": UNITS,
+                               "protocol": {"seeds": list(seeds), "tuning_seed": tuning_seed,
+                                            "clients":
+                                                comparison.federation_config["num-supernodes"],
                                             "selection": "validation",
                                             "validation_fraction":
                                                 comparison.validation_fraction,
@@ -183,7 +201,8 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
                 "method": row.method, "grid": row.grid, "chosen": chosen, "tuning": tried,
                 "curves": {seed: s["accuracy_per_round"] for seed, s in runs.items()},
                 "rounds": {seed: s["rounds"] for seed, s in runs.items()},
-                **method_stats(runs)}
+                "window": {seed: run_window(s, SKIP_FIRST_QUARTER) for seed, s in runs.items()},
+                **method_stats(runs, SKIP_FIRST_QUARTER)}
     base = summary["rows"].get(reference)
     for label, row_stats in summary["rows"].items():
         if base is not None and label != reference:
@@ -308,6 +327,8 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
     if len(set(budgets(rows).values())) > 1:
         print(f"[compare] unequal tuning budgets ({budget_text(rows)}): the rows with more "
               "configurations are favoured", flush=True)
+    if (short := short_runs_warning(comparison.run_lengths)) is not None:
+        print(f"[compare] short runs: {short}", flush=True)
     # the calling folder's modules (a user's model factory) import in every run
     with (warm_federation(pythonpath=[Path.cwd()]) if federation is None
           else contextlib.nullcontext(federation)) as comparison.federation:

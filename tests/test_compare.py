@@ -5,6 +5,7 @@ trackers on, serves the tests that read it."""
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import json
 import subprocess
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from comparison.report import report_markdown
+from comparison.report import report_markdown, run_text
 from comparison.stats import (
     choose,
+    figure_rounds,
+    full_window_rounds,
     last_rounds_mean,
     method_stats,
     paired_difference,
@@ -88,6 +91,104 @@ def test_last_rounds_mean_and_slope_read_the_end_of_the_curve():
     assert slope([0.0] * 9 + [1.0]) == pytest.approx(3 / 55)
 
 
+def test_a_runs_figure_never_reads_the_first_quarter_of_its_rounds():
+    """compare's window (``skip_first_quarter``): the last 5 evaluated rounds, none that
+    starts in the first quarter of the run (rounds 1 to ceil(n/4)); shorter runs are read on
+    fewer rounds, a run of one round on it. Without it (the evidence matrix, whose runs are
+    20 rounds or more), the last 5, all of a shorter run; the two agree from 7 rounds on."""
+    windows = {n: figure_rounds(range(1, n + 1), skip_first_quarter=True)
+               for n in (1, 2, 3, 4, 5, 6, 7, 8, 10, 30)}
+    assert windows == {1: [1], 2: [2], 3: [2, 3], 4: [2, 3, 4], 5: [3, 4, 5],
+                       6: [3, 4, 5, 6], 7: [3, 4, 5, 6, 7], 8: [4, 5, 6, 7, 8],
+                       10: [6, 7, 8, 9, 10], 30: [26, 27, 28, 29, 30]}
+    assert full_window_rounds() == 7
+    assert figure_rounds(range(1, 6)) == [1, 2, 3, 4, 5]
+    assert all(figure_rounds(range(1, n + 1)) == figure_rounds(range(1, n + 1), True)
+               for n in range(7, 40))
+    # rounds evaluated thinly (evaluate-every) or missing (every evaluation dropped): the
+    # quarter is of the run's rounds, not of the evaluated ones
+    assert figure_rounds([1, 2, 4, 5], skip_first_quarter=True) == [4, 5]
+    assert figure_rounds([10, 20, *range(26, 36)], True) == [31, 32, 33, 34, 35]
+    curve = [0.0, 0.1, 0.3, 0.4, 0.5]
+    assert last_rounds_mean(curve, skip_first_quarter=True) == pytest.approx(0.4)
+    assert last_rounds_mean(curve) == pytest.approx(0.26)
+    assert last_rounds_mean([0.0, 0.1, 0.4, 0.5], rounds=[1, 2, 4, 5],
+                            skip_first_quarter=True) == pytest.approx(0.45)
+    run = {"accuracy_per_round": curve, "accuracy_min_per_round": [0.0, 0.0, 0.1, 0.2, 0.3],
+           "accuracy_min": 0.3, "rounds": [1, 2, 3, 4, 5], "mb_up_total": 1.0,
+           "seconds_total": 1.0, "evaluated_on": "validation"}
+    figures = run_figures(run, skip_first_quarter=True)
+    assert (figures["accuracy"], figures["accuracy_min"]) == pytest.approx((0.4, 0.2))
+    # a configuration is chosen on the same rounds: b's first rounds are higher, its
+    # window is not
+    rising = {**run, "accuracy_per_round": [0.9, 0.9, 0.3, 0.3, 0.3]}
+    assert choose([("a", run), ("b", rising)], skip_first_quarter=True) == "a"
+    assert choose([("a", run), ("b", rising)]) == "b"
+
+
+def _five_round_run(seed: int, rounds: int = 5) -> dict:
+    """A run whose first round is far off its last ones (a run's figure must not read it)."""
+    curve = [0.05] + [0.2 + 0.01 * seed + 0.001 * r for r in range(2, rounds + 1)]
+    return {"accuracy_per_round": curve, "accuracy_min_per_round": [c - 0.1 for c in curve],
+            "accuracy_min": curve[-1] - 0.1, "rounds": list(range(1, rounds + 1)),
+            "mb_up_total": 2.0, "seconds_total": 3.0, "evaluated_on": "test"}
+
+
+def _summary(rows: dict[str, dict[str, dict]], clients: int | None = 10) -> dict:
+    """A compare summary of these rows (label -> seed -> run), as ``launch.compare`` makes
+    it."""
+    summary_rows = {
+        label: {"method": label, "grid": [{}], "chosen": {}, "tuning": [],
+                "curves": {s: r["accuracy_per_round"] for s, r in runs.items()},
+                "rounds": {s: r["rounds"] for s, r in runs.items()},
+                **method_stats(runs, skip_first_quarter=True)}
+        for label, runs in rows.items()}
+    protocol = {"seeds": [1, 2, 3], "tuning_seed": 0, "selection": "validation",
+                "validation_fraction": 0.2, "budgets": dict.fromkeys(rows, 1),
+                "reference": next(iter(rows)), "margin": -0.01,
+                **({"clients": clients} if clients else {})}
+    return {"protocol": protocol, "rows": summary_rows, "failed": []}
+
+
+def test_the_report_states_its_window_units_and_clients_and_warns_of_short_runs():
+    """A comparison of 5-round runs: the report says which rounds each figure is the mean
+    of (3-5, never round 1), warns once that the runs are short, writes points under
+    headers that say so, and names the number of clients; a run's printed line gives the
+    figure the report's row is the mean of."""
+    runs = {str(seed): _five_round_run(seed) for seed in (1, 2, 3)}
+    summary = _summary({"fedavg": runs})
+    report = report_markdown(summary, "compare")
+    assert "10 clients (`--supernodes`: the data is split into 10 partitions" in report
+    assert "mean of rounds 3-5 (a run's last 5 evaluated rounds, none in the first quarter" \
+        in report
+    assert report.count("**Short runs**: a run of 5 rounds is read on rounds 3-5 (3 of its "
+                        "5)") == 1
+    assert "run 7 rounds or more for all 5" in report
+    header = next(line for line in report.splitlines() if line.startswith("| row |"))
+    assert "| accuracy (points) | min client (points) | slope (points/round) |" in header
+    assert "| vs fedavg (points, 95% interval) |" in header
+    per_seed = [(0.2 + 0.01 * s + 0.004) for s in (1, 2, 3)]  # rounds 3-5: 0.003..0.005
+    fedavg = summary["rows"]["fedavg"]
+    assert [fedavg["per_seed"][str(s)]["accuracy"] for s in (1, 2, 3)] == \
+        pytest.approx(per_seed)
+    row = next(line for line in report.splitlines() if line.startswith("| fedavg |"))
+    assert f"| {100 * sum(per_seed) / 3:.1f} ± 1.0 | {100 * sum(per_seed) / 3 - 10:.1f} |" \
+        in row
+    # the run's line: the same figure, the same rounds, the same unit
+    assert run_text(runs["2"]) == (f"accuracy {100 * per_seed[1]:.1f}, min client "
+                                   f"{100 * per_seed[1] - 10:.1f} (points, mean of rounds 3-5)")
+    # long enough runs: the last 5, no warning; rows of other lengths each say theirs
+    long = report_markdown(_summary({"fedavg": {"1": _five_round_run(1, rounds=10)}}), "c")
+    assert "mean of rounds 6-10 (" in long and "Short runs" not in long
+    mixed = report_markdown(_summary({"fedavg": {"1": _five_round_run(1, rounds=10)},
+                                      "local": {"1": _five_round_run(1, rounds=2)}}), "c")
+    assert "mean of rounds 6-10 (fedavg), round 2 (local) (" in mixed
+    assert "**Short runs**: a run of 2 rounds is read on round 2 (1 of its 2):" in mixed
+    # a summary written before the number of clients was recorded names none
+    assert "clients (`--supernodes`" not in report_markdown(_summary({"fedavg": runs}, None),
+                                                            "c")
+
+
 _SUMMARY = {"accuracy_per_round": [0.5] * 6,
             "accuracy_min_per_round": [0.0, 0.1, 0.2, 0.2, 0.3, 0.7], "accuracy_min": 0.7,
             "mb_up_total": 1.0, "seconds_total": 1.0, "evaluated_on": "validation"}
@@ -147,21 +248,24 @@ def test_a_mistake_in_the_command_is_one_line_and_exit_2_before_anything_runs(
 @pytest.fixture(scope="module")
 def compared(federation, tmp_path_factory):
     """The comparison, run from a folder outside the repository without --out; the
-    repository's git status before and after."""
+    repository's git status before and after; what it printed."""
     home = tmp_path_factory.mktemp("user-folder")
     status = ["git", "status", "--porcelain", "--untracked-files=all"]
     before = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout
-    with contextlib.chdir(home):
-        assert main(ARGS, federation=federation) == 0
+    printed = io.StringIO()
+    with contextlib.chdir(home), contextlib.redirect_stdout(printed):
+        code = main(ARGS, federation=federation)
+    print(printed.getvalue())  # shown where a test fails
+    assert code == 0
     after = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout
     (out,) = (home / "outputs").glob("compare-*")
-    return out, before, after
+    return out, before, after, printed.getvalue()
 
 
 @pytest.mark.integration
 def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(compared,
                                                                              federation):
-    out, before, after = compared
+    out, before, after, printed = compared
     assert before == after  # nothing written into the checkout
     assert not list((ROOT / "outputs").glob("compare-*"))
     summary = json.loads((out / "summary.json").read_text())
@@ -178,7 +282,14 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
             assert results["evaluated_on"] == "test"
             curve = [r["eval"]["accuracy_weighted"] for r in results["rounds"]]
             assert row["curves"][str(seed)] == curve and len(curve) == 2
-            assert row["per_seed"][str(seed)]["accuracy"] == pytest.approx(sum(curve) / 2)
+            # 2 rounds: round 1 is the first quarter, so the figure is round 2's; the run's
+            # printed line gives it in points, as the report
+            figure = row["per_seed"][str(seed)]["accuracy"]
+            assert row["window"][str(seed)] == [2] and figure == pytest.approx(curve[1])
+            assert (f"[compare] {label} report {tag} seed {seed}: accuracy "
+                    f"{100 * figure:.1f}, min client "
+                    f"{100 * row['per_seed'][str(seed)]['accuracy_min']:.1f} "
+                    "(points, mean of round 2) ") in printed
     # local's grid was tuned on seed 0, each configuration scored on validation splits only,
     # and the one with the higher validation figure kept
     tuned = {}
@@ -187,7 +298,8 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
                              .read_text())
         assert results["evaluated_on"] == "validation"
         assert results["config"]["validation-fraction"] == 0.2
-        tuned[lr] = last_rounds_mean([r["eval"]["accuracy_weighted"] for r in results["rounds"]])
+        tuned[lr] = last_rounds_mean([r["eval"]["accuracy_weighted"] for r in results["rounds"]],
+                                     skip_first_quarter=True)
     assert chosen == {"lr": max(tuned, key=tuned.get)}
     assert [t["evaluated_on"] for t in summary["rows"]["local"]["tuning"]] == ["validation"] * 2
     versus = summary["rows"]["local"]["versus_reference"]
@@ -206,6 +318,15 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
             in report)
     assert "over the last 2 rounds" in report and "last 10 rounds" not in report
     assert "**2 seeds only**" in report
+    # which rounds, how many clients, the short runs said once before any run and in the
+    # report; summary.json in fractions, labelled
+    assert "2 clients (`--supernodes`: the data is split into 2 partitions" in report
+    assert "mean of round 2 (a run's last 5 evaluated rounds, none in the first" in report
+    assert "**Short runs**: a run of 2 rounds is read on round 2 (1 of its 2)" in report
+    assert printed.count("[compare] short runs: a run of 2 rounds is read on round 2") == 1
+    assert printed.index("[compare] short runs") < printed.index(": running")
+    assert summary["units"]["accuracy"].startswith("fraction (0-1)")
+    assert summary["protocol"]["clients"] == 2 and 0 < fedavg["accuracy"][0] < 1
     for plot in ("accuracy.png", "accuracy-vs-uplink.png"):
         assert (out / plot).stat().st_size > 0
     # run again into the same folder: every run is found, none is made again
@@ -334,6 +455,20 @@ def test_a_stored_run_is_reused_only_under_the_same_numbers_config(tmp_path):
     assert comparison.summary(row, "report", {}, 1) is None
     stored.write_text(json.dumps({**record, "num_clients": 3}))
     assert comparison.summary(row, "report", {}, 1) is None
+
+
+def test_the_round_axis_has_ticks_on_whole_rounds_only():
+    """A run of 2 rounds has no round 1.5 (matplotlib's default ticks it)."""
+    import matplotlib.pyplot as plt
+
+    from comparison.plots import draw_curves, figure
+
+    fig, (ax,) = figure(7, 4.5)
+    draw_curves(ax, {"fedavg": ([1, 2], [[0.2, 0.3], [0.25, 0.35]])})
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    plt.close(fig)
 
 
 def test_every_row_of_a_plot_has_its_own_colour_and_neighbours_differ_in_line_style():

@@ -17,7 +17,9 @@ from launch.federation import FlowerRun
 
 class _ScriptedFederation:
     """Each run writes the results.json of a completed run whose accuracy ``script`` gives
-    for its run config (None: the run fails), and is remembered."""
+    for its run config (None: the run fails), and is remembered. A run has 2 rounds, and its
+    first is the opposite of its second (1 - the accuracy): a figure, a choice or a printed
+    line that read round 1, the first quarter of the run, would show it."""
 
     def __init__(self, script) -> None:
         self.script = script
@@ -31,7 +33,9 @@ class _ScriptedFederation:
             return FlowerRun(1, "the scripted run failed", None, "", "scripted")
         figures = {"accuracy_weighted": accuracy, "accuracy_mean": accuracy,
                    "accuracy_min": accuracy}
-        rounds = [{"round": r, "eval": figures, "bytes_up": 1024} for r in (1, 2)]
+        first = {k: 1 - v for k, v in figures.items()}
+        rounds = [{"round": r, "eval": f, "bytes_up": 1024}
+                  for r, f in ((1, first), (2, figures))]
         out = Path(run_config["output-dir"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({
@@ -109,6 +113,44 @@ def test_unequal_budgets_are_said_before_anything_runs(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "[compare] unequal tuning budgets (fedavg 1, local 2)" in said
     assert said.index("unequal tuning budgets") < said.index("running")
+    # so are short runs, once: 2 rounds are read on round 2 only
+    assert said.count("[compare] short runs: a run of 2 rounds is read on round 2 (1 of its "
+                      "2)") == 1
+    assert said.index("short runs") < said.index("running")
+
+
+def test_each_runs_line_shows_the_reports_figure_in_points(tmp_path, capsys):
+    """The line a run prints as it ends reads the rounds the report reads (round 2 of 2),
+    in points as the report: not its final round's fraction."""
+    out = tmp_path / "out"
+    main(["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1,2", "--supernodes", "2",
+          "--out", str(out), "num-server-rounds=2"], federation=_ScriptedFederation(_script))
+    said = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    for seed in (1, 2):
+        figure = summary["rows"]["fedavg"]["per_seed"][str(seed)]["accuracy"]
+        assert figure == pytest.approx(0.70 + 0.001 * seed)  # round 2's, not round 1's
+        assert (f"[compare] fedavg report defaults seed {seed}: accuracy {100 * figure:.1f}, "
+                f"min client {100 * figure:.1f} (points, mean of round 2) ") in said
+    assert ("[compare] local tune lr=0.1 seed 0: validation accuracy 80.0, min client 80.0 "
+            "(points, mean of round 2)") in said
+    record = json.loads((out / "runs" / "fedavg" / "report-defaults-seed1.json").read_text())
+    assert record["accuracy_per_round"] == pytest.approx([0.299, 0.701])  # fractions
+    assert record["units"]["accuracy"].startswith("fraction (0-1)")
+    report = (out / "report.md").read_text()
+    fedavg = summary["rows"]["fedavg"]["accuracy"]
+    assert f"| {100 * fedavg[0]:.1f} ± {100 * fedavg[1]:.1f} |" in report
+
+
+def test_summary_json_is_in_fractions_and_says_so_and_records_the_clients(scripted):
+    _, _, summary = scripted
+    assert summary["units"]["accuracy"].startswith("fraction (0-1)")
+    assert "points" in summary["units"]["slope"]  # and what the report writes instead
+    assert summary["protocol"]["clients"] == 2
+    local = summary["rows"]["local"]
+    assert local["window"] == {"1": [2], "2": [2], "3": [2]}
+    assert local["per_seed"]["1"]["accuracy"] == pytest.approx(0.751)  # a fraction
+    assert [t["window"] for t in local["tuning"]] == [[2], [2]]
 
 
 def test_a_tuning_seed_among_the_report_seeds_is_refused_only_where_a_row_has_a_grid(
