@@ -24,7 +24,6 @@ from comparison.stats import (
 FEW_SEEDS = 3  # below this, a 95% interval over seeds is too wide to tell anything apart
 # compare reads a run on its last rounds, none in the first quarter of its rounds
 # (comparison.stats.figure_rounds): a short run's first rounds would pull every method down
-SKIP_FIRST_QUARTER = True
 # summary.json's and each run record's units: fractions where the report and the printed lines
 # write points (x 100)
 UNITS = {"accuracy": "fraction (0-1): every accuracy, curve, per-seed figure, paired "
@@ -50,12 +49,12 @@ def short_runs_warning(run_lengths: Iterable[int]) -> str | None:
     """What a comparison of runs this many rounds long says once, where some are too short
     for a full window of ``LAST_ROUNDS`` rounds; None where none is."""
     short = sorted({n for n in run_lengths
-                    if len(figure_rounds(range(1, n + 1), SKIP_FIRST_QUARTER)) < LAST_ROUNDS})
+                    if len(figure_rounds(range(1, n + 1))) < LAST_ROUNDS})
     if not short:
         return None
     read = []
     for n in short:
-        window = figure_rounds(range(1, n + 1), SKIP_FIRST_QUARTER)
+        window = figure_rounds(range(1, n + 1))
         read.append(f"{window_text(window)} ({len(window)} of its {n}"
                     f"{', nothing else is left' if n == 1 else ''})")
     return (f"a run of {short[0]} round{'s' * (short[0] > 1)} is read on {read[0]}"
@@ -69,11 +68,11 @@ def short_runs_warning(run_lengths: Iterable[int]) -> str | None:
 def run_text(summary: Mapping[str, Any]) -> str:
     """A completed run's figures as the report reads them (the same rounds, in points): the
     line ``scripts/compare.sh`` prints as the run ends."""
-    figures = run_figures(summary, SKIP_FIRST_QUARTER)
+    figures = run_figures(summary)
     split = "validation " if summary.get("evaluated_on") == "validation" else ""
     return (f"{split}accuracy {100 * figures['accuracy']:.1f}, min client "
             f"{100 * figures['accuracy_min']:.1f} (points, mean of "
-            f"{window_text(run_window(summary, SKIP_FIRST_QUARTER))})")
+            f"{window_text(run_window(summary))})")
 
 
 def _windows(summary: dict[str, Any]) -> tuple[str, list[int]]:
@@ -83,7 +82,7 @@ def _windows(summary: dict[str, Any]) -> tuple[str, list[int]]:
     lengths = []
     for label, row in summary["rows"].items():
         for rounds in row["rounds"].values():
-            text = window_text(figure_rounds(rounds, SKIP_FIRST_QUARTER))
+            text = window_text(figure_rounds(rounds))
             if label not in rows.setdefault(text, []):
                 rows[text].append(label)
             lengths.append(rounds[-1])

@@ -11,12 +11,11 @@ command (``launch/compare.py``) and the evidence matrix (``bench/evidence``).
   compete are scored on validation splits carved from the clients' training shares
   (``validation-fraction``), never on a test split a reported figure is computed on.
 - A run's figure is the mean of its last ``LAST_ROUNDS`` evaluated rounds (never the best
-  round: choosing a round on test data flatters every method, the noisy ones most); with
-  ``skip_first_quarter`` (the compare command's rule) none of them in the first quarter of
-  the run's rounds, so that a short run is read on fewer rounds (``figure_rounds``: a run of
-  5 rounds on rounds 3-5), never on its first ones; its slope, in accuracy per round over
-  the last ``SLOPE_ROUNDS`` rounds (least squares), says whether the curve has stopped
-  rising.
+  round: choosing a round on test data flatters every method, the noisy ones most), none of
+  them in the first quarter of the run's rounds, so that a short run is read on fewer rounds
+  (``figure_rounds``: a run of 5 rounds on rounds 3-5), never on its first ones; its
+  slope, in accuracy per round over the last ``SLOPE_ROUNDS`` rounds (least squares), says
+  whether the curve has stopped rising.
 - A method is the mean and sample standard deviation of its runs' figures over seeds.
 - A method against a reference is the paired difference per seed (same seed: same data
   split, same initial model), its mean and a 95% confidence interval (Student's t over the
@@ -116,42 +115,40 @@ def spent_privacy(results: Mapping[str, Any]) -> dict[str, Any]:
     return {"privacy": final["privacy"]} if "privacy" in final else {}
 
 
-def figure_rounds(rounds: Iterable[int], skip_first_quarter: bool = False) -> list[int]:
+def figure_rounds(rounds: Iterable[int]) -> list[int]:
     """Of a run's evaluated rounds (ascending), those its figure is the mean of: the last
-    ``LAST_ROUNDS`` (all where there are fewer); with ``skip_first_quarter``, none that starts
-    in the first quarter of the run (rounds 1 to ceil(n/4) of a run of n: a run of 5 rounds
-    is read on rounds 3-5, one of 2 on round 2, one of 7 or more on its last 5), and its last
-    round where nothing else is left (a run of one round)."""
+    ``LAST_ROUNDS`` (all where there are fewer), none in the first quarter of the run (rounds
+    1 to ceil(n/4) of a run of n: a run of 5 rounds is read on rounds 3-5, one of 2 on round
+    2, one of 7 or more on its last 5), and its last round where nothing else is left (a run
+    of one round)."""
     rounds = list(rounds)
-    if skip_first_quarter and rounds:
+    if rounds:
         early = math.ceil(rounds[-1] / 4)
         rounds = [r for r in rounds if r > early] or rounds[-1:]
     return rounds[-LAST_ROUNDS:]
 
 
 def full_window_rounds() -> int:
-    """The fewest rounds whose run is read on a full window of ``LAST_ROUNDS`` rounds with
-    ``skip_first_quarter`` (7)."""
+    """The fewest rounds whose run is read on a full window of ``LAST_ROUNDS`` rounds (7)."""
     return next(n for n in itertools.count(1)
-                if len(figure_rounds(range(1, n + 1), skip_first_quarter=True)) == LAST_ROUNDS)
+                if len(figure_rounds(range(1, n + 1))) == LAST_ROUNDS)
 
 
-def last_rounds_mean(curve: Sequence[float], *, rounds: Sequence[int] | None = None,
-                     skip_first_quarter: bool = False) -> float:
+def last_rounds_mean(curve: Sequence[float], *, rounds: Sequence[int] | None = None
+                     ) -> float:
     """The mean of a curve's values on its ``figure_rounds`` (``rounds``: the curve's round
     numbers; by default 1, 2, ...)."""
     if not curve:
         raise ValueError("no evaluated round")
-    window = figure_rounds(range(1, len(curve) + 1) if rounds is None else rounds,
-                           skip_first_quarter)
+    window = figure_rounds(range(1, len(curve) + 1) if rounds is None else rounds)
     return statistics.fmean(curve[-len(window):])
 
 
-def run_window(summary: Mapping[str, Any], skip_first_quarter: bool = False) -> list[int]:
+def run_window(summary: Mapping[str, Any]) -> list[int]:
     """The rounds a run's figures are the mean of (``figure_rounds`` of its evaluated
     rounds)."""
     return figure_rounds(summary.get("rounds") or range(1, len(summary["accuracy_per_round"])
-                                                        + 1), skip_first_quarter)
+                                                        + 1))
 
 
 def slope(curve: Sequence[float], rounds: int = SLOPE_ROUNDS) -> float:
@@ -178,8 +175,7 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def run_figures(summary: Mapping[str, Any], skip_first_quarter: bool = False
-                ) -> dict[str, float]:
+def run_figures(summary: Mapping[str, Any]) -> dict[str, float]:
     """One run's figures: the mean over its ``run_window`` of the weighted and of the lowest
     client's accuracy (a summary stored before the lowest client's curve was kept gives its
     final value), its slope, uplink and seconds; and that mean of the task accuracy where
@@ -190,7 +186,7 @@ def run_figures(summary: Mapping[str, Any], skip_first_quarter: bool = False
     task = summary.get("accuracy_task_per_round")
 
     def mean(values: Sequence[float]) -> float:
-        return last_rounds_mean(values, rounds=rounds, skip_first_quarter=skip_first_quarter)
+        return last_rounds_mean(values, rounds=rounds)
 
     return {"accuracy": mean(curve),
             "accuracy_min": mean(low) if low else summary["accuracy_min"],
@@ -199,7 +195,7 @@ def run_figures(summary: Mapping[str, Any], skip_first_quarter: bool = False
             **({"task_accuracy": mean(task)} if task else {})}
 
 
-def selection_figure(summary: Mapping[str, Any], skip_first_quarter: bool = False) -> float:
+def selection_figure(summary: Mapping[str, Any]) -> float:
     """What a configuration is chosen by: its tuning run's accuracy on its clients'
     validation splits, the mean of the last rounds. A run scored on its test split is
     refused (ValueError): a choice made on test data flatters the chosen configuration on
@@ -208,7 +204,7 @@ def selection_figure(summary: Mapping[str, Any], skip_first_quarter: bool = Fals
         raise ValueError("a configuration is chosen on validation accuracy only; this run was "
                          f"scored on its {summary.get('evaluated_on', 'test')} split (run it "
                          "with validation-fraction > 0)")
-    return run_figures(summary, skip_first_quarter)["accuracy"]
+    return run_figures(summary)["accuracy"]
 
 
 def not_diverged(tried: Sequence[tuple[Any, Mapping[str, Any]]]
@@ -226,23 +222,20 @@ def by_seed_finished(cells: Sequence[Mapping[str, Any]]
     return finished, sorted(c["seed"] for c in cells if c.get("status") == "diverged")
 
 
-def choose(tried: Sequence[tuple[Any, Mapping[str, Any]]], skip_first_quarter: bool = False
-           ) -> Any:
+def choose(tried: Sequence[tuple[Any, Mapping[str, Any]]]) -> Any:
     """Of ``(configuration, tuning run summary)`` pairs, the configuration with the highest
     ``selection_figure`` (the first of equals); a run that diverged (``"status":
     "diverged"``: its losses stopped being finite) is never chosen."""
     finished = not_diverged(tried)
     if not finished:
         raise ValueError("every configuration diverged: widen the search downwards")
-    return max(finished,
-               key=lambda pair: selection_figure(pair[1], skip_first_quarter))[0]
+    return max(finished, key=lambda pair: selection_figure(pair[1]))[0]
 
 
-def method_stats(per_seed: Mapping[int, Mapping[str, Any]], skip_first_quarter: bool = False
-                 ) -> dict[str, Any]:
+def method_stats(per_seed: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     """A method over its seeds (seed -> run summary): each figure's mean and standard
     deviation, and the per-seed figures."""
-    figures = {seed: run_figures(summary, skip_first_quarter)
+    figures = {seed: run_figures(summary)
                for seed, summary in sorted(per_seed.items())}
     slopes = [f["slope"] for f in figures.values()]
     return {"seeds": list(figures), "per_seed": figures,

@@ -43,7 +43,6 @@ from typing import Any
 
 from common.config import ConfigError
 from comparison.report import (
-    SKIP_FIRST_QUARTER,
     UNITS,
     run_text,
     short_runs_warning,
@@ -162,10 +161,10 @@ class Comparison:
                 if (summary := self.summary(row, "tune", config, tuning_seed)) is not None]
         if not runs:
             raise RuntimeError(f"{row.label}: every tuning run failed")
-        return choose(runs, SKIP_FIRST_QUARTER), [
+        return choose(runs), [
             {"config": config, "evaluated_on": summary["evaluated_on"],
-             "window": run_window(summary, SKIP_FIRST_QUARTER),
-             **run_figures(summary, SKIP_FIRST_QUARTER)} for config, summary in runs]
+             "window": run_window(summary),
+             **run_figures(summary)} for config, summary in runs]
 
 
 def budgets(rows: Sequence[Row]) -> dict[str, int]:
@@ -201,8 +200,8 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
                 "method": row.method, "grid": row.grid, "chosen": chosen, "tuning": tried,
                 "curves": {seed: s["accuracy_per_round"] for seed, s in runs.items()},
                 "rounds": {seed: s["rounds"] for seed, s in runs.items()},
-                "window": {seed: run_window(s, SKIP_FIRST_QUARTER) for seed, s in runs.items()},
-                **method_stats(runs, SKIP_FIRST_QUARTER)}
+                "window": {seed: run_window(s) for seed, s in runs.items()},
+                **method_stats(runs)}
     base = summary["rows"].get(reference)
     for label, row_stats in summary["rows"].items():
         if base is not None and label != reference:

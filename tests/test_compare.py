@@ -83,7 +83,7 @@ def test_paired_difference_gives_the_mean_and_the_t_interval_of_the_per_seed_dif
 def test_last_rounds_mean_and_slope_read_the_end_of_the_curve():
     curve = [0.1, 0.2, 0.5, 0.6, 0.6, 0.7, 0.7]
     assert last_rounds_mean(curve) == pytest.approx(0.62)  # the last 5
-    assert last_rounds_mean([0.3, 0.5]) == pytest.approx(0.4)  # fewer than 5: all
+    assert last_rounds_mean([0.3, 0.5]) == pytest.approx(0.5)  # round 1 is its first quarter
     assert slope([0.5 + 0.01 * r for r in range(20)]) == pytest.approx(0.01)
     assert slope([0.9] * 12 + [0.1, 0.2]) < 0  # only the last 10 count
     assert slope([0.4]) == 0.0
@@ -92,38 +92,33 @@ def test_last_rounds_mean_and_slope_read_the_end_of_the_curve():
 
 
 def test_a_runs_figure_never_reads_the_first_quarter_of_its_rounds():
-    """compare's window (``skip_first_quarter``): the last 5 evaluated rounds, none that
-    starts in the first quarter of the run (rounds 1 to ceil(n/4)); shorter runs are read on
-    fewer rounds, a run of one round on it. Without it (the evidence matrix, whose runs are
-    20 rounds or more), the last 5, all of a shorter run; the two agree from 7 rounds on."""
-    windows = {n: figure_rounds(range(1, n + 1), skip_first_quarter=True)
+    """A run's window (compare's and the evidence matrix's): the last 5 evaluated rounds,
+    none that starts in the first quarter of the run (rounds 1 to ceil(n/4)); shorter runs
+    are read on fewer rounds, a run of one round on it."""
+    windows = {n: figure_rounds(range(1, n + 1))
                for n in (1, 2, 3, 4, 5, 6, 7, 8, 10, 30)}
     assert windows == {1: [1], 2: [2], 3: [2, 3], 4: [2, 3, 4], 5: [3, 4, 5],
                        6: [3, 4, 5, 6], 7: [3, 4, 5, 6, 7], 8: [4, 5, 6, 7, 8],
                        10: [6, 7, 8, 9, 10], 30: [26, 27, 28, 29, 30]}
     assert full_window_rounds() == 7
-    assert figure_rounds(range(1, 6)) == [1, 2, 3, 4, 5]
-    assert all(figure_rounds(range(1, n + 1)) == figure_rounds(range(1, n + 1), True)
-               for n in range(7, 40))
+    assert all(figure_rounds(range(1, n + 1)) == list(range(n - 4, n + 1))
+               for n in range(7, 40))  # the plain last 5 from 7 rounds on
     # rounds evaluated thinly (evaluate-every) or missing (every evaluation dropped): the
     # quarter is of the run's rounds, not of the evaluated ones
-    assert figure_rounds([1, 2, 4, 5], skip_first_quarter=True) == [4, 5]
-    assert figure_rounds([10, 20, *range(26, 36)], True) == [31, 32, 33, 34, 35]
+    assert figure_rounds([1, 2, 4, 5]) == [4, 5]
+    assert figure_rounds([10, 20, *range(26, 36)]) == [31, 32, 33, 34, 35]
     curve = [0.0, 0.1, 0.3, 0.4, 0.5]
-    assert last_rounds_mean(curve, skip_first_quarter=True) == pytest.approx(0.4)
-    assert last_rounds_mean(curve) == pytest.approx(0.26)
-    assert last_rounds_mean([0.0, 0.1, 0.4, 0.5], rounds=[1, 2, 4, 5],
-                            skip_first_quarter=True) == pytest.approx(0.45)
+    assert last_rounds_mean(curve) == pytest.approx(0.4)
+    assert last_rounds_mean([0.0, 0.1, 0.4, 0.5], rounds=[1, 2, 4, 5]) == pytest.approx(0.45)
     run = {"accuracy_per_round": curve, "accuracy_min_per_round": [0.0, 0.0, 0.1, 0.2, 0.3],
            "accuracy_min": 0.3, "rounds": [1, 2, 3, 4, 5], "mb_up_total": 1.0,
            "seconds_total": 1.0, "evaluated_on": "validation"}
-    figures = run_figures(run, skip_first_quarter=True)
+    figures = run_figures(run)
     assert (figures["accuracy"], figures["accuracy_min"]) == pytest.approx((0.4, 0.2))
     # a configuration is chosen on the same rounds: b's first rounds are higher, its
     # window is not
     rising = {**run, "accuracy_per_round": [0.9, 0.9, 0.3, 0.3, 0.3]}
-    assert choose([("a", run), ("b", rising)], skip_first_quarter=True) == "a"
-    assert choose([("a", run), ("b", rising)]) == "b"
+    assert choose([("a", run), ("b", rising)]) == "a"
 
 
 def _five_round_run(seed: int, rounds: int = 5) -> dict:
@@ -141,7 +136,7 @@ def _summary(rows: dict[str, dict[str, dict]], clients: int | None = 10) -> dict
         label: {"method": label, "grid": [{}], "chosen": {}, "tuning": [],
                 "curves": {s: r["accuracy_per_round"] for s, r in runs.items()},
                 "rounds": {s: r["rounds"] for s, r in runs.items()},
-                **method_stats(runs, skip_first_quarter=True)}
+                **method_stats(runs)}
         for label, runs in rows.items()}
     protocol = {"seeds": [1, 2, 3], "tuning_seed": 0, "selection": "validation",
                 "validation_fraction": 0.2, "budgets": dict.fromkeys(rows, 1),
@@ -198,7 +193,8 @@ _BEFORE_MIN_CURVE = {k: v for k, v in _SUMMARY.items() if k != "accuracy_min_per
 def test_a_runs_lowest_client_figure_is_the_last_rounds_mean_of_its_curve():
     """The lowest client's figure reads the end of its curve as accuracy does; a summary
     stored before that curve was kept gives its final value."""
-    assert run_figures(_SUMMARY)["accuracy_min"] == pytest.approx(0.3)  # (0.1+0.2+0.2+0.3+0.7)/5
+    # rounds 3-6 of 6 (rounds 1-2 are its first quarter): (0.2 + 0.2 + 0.3 + 0.7) / 4
+    assert run_figures(_SUMMARY)["accuracy_min"] == pytest.approx(0.35)
     assert run_figures(_BEFORE_MIN_CURVE)["accuracy_min"] == 0.7
 
 
@@ -298,8 +294,7 @@ def test_compare_runs_methods_over_seeds_and_reports_outside_the_repository(comp
                              .read_text())
         assert results["evaluated_on"] == "validation"
         assert results["config"]["validation-fraction"] == 0.2
-        tuned[lr] = last_rounds_mean([r["eval"]["accuracy_weighted"] for r in results["rounds"]],
-                                     skip_first_quarter=True)
+        tuned[lr] = last_rounds_mean([r["eval"]["accuracy_weighted"] for r in results["rounds"]])
     assert chosen == {"lr": max(tuned, key=tuned.get)}
     assert [t["evaluated_on"] for t in summary["rows"]["local"]["tuning"]] == ["validation"] * 2
     versus = summary["rows"]["local"]["versus_reference"]
