@@ -229,17 +229,20 @@ def check_split_sizes(client_labels: list[np.ndarray], settings: RunSettings) ->
     evaluation example; returns a warning (or None) when some clients are evaluated on fewer
     than ``SMALL_TEST_SPLIT`` examples."""
     num_partitions = len(client_labels)
-    sizes = np.array([[len(s) for s in split_positions(y, settings, pid)]
+    sizes = np.array([[len(s) for s in split_positions(y, settings, pid)] if len(y) else [0, 0]
                       for pid, y in enumerate(client_labels)])
     evaluated_on = "validation" if settings.validation_fraction > 0 else "test"
     for column, split in ((0, "training"), (1, evaluated_on)):
         empty = np.flatnonzero(sizes[:, column] == 0)
         if len(empty):
+            pool = sum(map(len, client_labels))
             fixes = ("use fewer clients, raise min-partition-size or dirichlet-alpha"
-                     if settings.partitioner == "dirichlet" else "use fewer clients")
+                     if settings.partitioner == "dirichlet"
+                     and min_partition_size(settings, num_partitions, pool) > 0
+                     else "use fewer clients")
             raise ConfigError(
                 f"partitioner: {len(empty)} of {num_partitions} clients get no {split} "
-                f"example from the pool of {sum(map(len, client_labels))} (client "
+                f"example from the pool of {pool} (client "
                 f"{empty[0]} holds {len(client_labels[empty[0]])} examples); {fixes}")
     small = sizes[:, 1] < SMALL_TEST_SPLIT
     if not small.any():

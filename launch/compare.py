@@ -128,6 +128,15 @@ class Comparison:
                     self.run_lengths.add(settings.num_server_rounds)
                 except ConfigError as error:
                     raise ConfigError(f"{row.label} {config_tag(config)}: {error}") from None
+        # the data split, the same for every row: drawable for every seed (the partition depends
+        # on the seed), with the warning about small evaluation splits printed once
+        clients = self.federation_config["num-supernodes"]
+        for seed in seeds:
+            try:
+                check_run_config(self.run_config(rows[0], "report", rows[0].grid[0], seed),
+                                 self.app, clients)
+            except ConfigError as error:
+                raise ConfigError(f"seed {seed}: {error}") from None
 
     def summary(self, row: Row, stage: str, config: dict[str, Any], seed: int
                 ) -> dict[str, Any] | None:

@@ -232,6 +232,10 @@ def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():
     (["--methods", "fedavg", "--supernodes", "0"], "--supernodes: at least 1"),
     (["--methods", "fedavg", "--validation-fraction", "0.95"], "0.95 is out of range"),
     (["--methods", "fedavg", "--validation-fraction", "0"], "0.0 is out of range"),
+    # the split drawn for every seed before any run: 1,797 digits over 1,000 clients (at
+    # least 0 each: min-partition-size is capped at half an even share)
+    (["--methods", "fedavg", "--seeds", "1,2", "--supernodes", "1000"],
+     "seed 1: partitioner: "),
 ])
 def test_a_mistake_in_the_command_is_one_line_and_exit_2_before_anything_runs(
         argv, says, capsys, tmp_path):
