@@ -31,7 +31,7 @@ from common.protocol import (
 )
 from common.seeds import Stream, derived_seed
 from fldata import ClientData, load_client_data
-from fldata.cache import default_cache_dir
+from fldata.cache import site_cache_dir
 from strategies.method import Method
 from strategies.privacy import privatize_uplink, secret_rng
 from strategies.registry import REGISTRY, load_settings
@@ -95,11 +95,12 @@ def _wire_spec(run_config_json: str) -> WireSpec:
 
 @lru_cache(maxsize=4)
 def _client_data(run_config_json: str, partition_id: int, num_partitions: int,
-                 data_dir: str | None, state_dir: str | None) -> ClientData:
+                 data_dir: str | None, state_dir: str | None,
+                 data_cache: str | None = None) -> ClientData:
+    """The split, cached where the site says (``data_cache``: its node config's
+    ``data-cache``, else under ``state_dir``); the run config may only turn the cache off."""
     settings = _settings(run_config_json)
-    cache = settings.data_cache
-    cache_dir = (None if cache == "off" else Path(cache) if cache
-                 else default_cache_dir(state_dir))
+    cache_dir = site_cache_dir(settings.data_cache, data_cache, state_dir)
     return load_client_data(settings, partition_id, num_partitions, data_dir, cache_dir)
 
 
@@ -172,9 +173,10 @@ class Client:
         in this process, then kept."""
         node = self.context.node_config
         data_dir = str(node["data-dir"]) if node.get("data-dir") else None
-        state_dir = node.get("state-dir")
+        state_dir, data_cache = node.get("state-dir"), node.get("data-cache")
         return _client_data(self.run_config_json, self.partition_id, self.num_partitions,
-                            data_dir, str(state_dir) if state_dir else None)
+                            data_dir, str(state_dir) if state_dir else None,
+                            str(data_cache) if data_cache else None)
 
     def loader(self, train: bool, server_round: int = 0) -> DataLoader:
         data = self.data()

@@ -41,6 +41,21 @@ class ConfigError(ValueError):
     """
 
 
+DATA_CACHE_VALUES = ("", "off")  # all the run config may say: where is the site's choice
+
+
+def check_data_cache(value: str) -> str:
+    """The run config's ``data-cache``: ``""`` (the site's own cache) or ``"off"``. Where a
+    site writes, and what its cache pruning deletes, is the site's to choose (its node
+    config), never the server operator's: a path here is refused with one line."""
+    if value not in DATA_CACHE_VALUES:
+        raise ConfigError(f"data-cache: {value!r} is refused: the run config takes only '' "
+                          "(each site's own cache) or 'off'; a site sets where it keeps its "
+                          "data cache with its node config (--node-config "
+                          "\"data-cache='/abs/dir'\"), else it lies under its state-dir")
+    return value
+
+
 def did_you_mean(word: str, known: Iterable[str]) -> str:
     """``"; did you mean 'X'?"`` for the known word closest to ``word`` (case aside), or
     ``""`` when none is close: the end of a one-line error about an unknown name."""
@@ -250,6 +265,7 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
         raw = dict(run_config)
         settings = dataclasses.replace(cls.parse(raw), raw=raw)
         node_owners(settings.node_owners)
+        check_data_cache(settings.data_cache)
         if settings.partitioner == "natural" and not settings.partition_column:
             raise ConfigError("partition-column: the natural partitioner needs the column "
                               "whose distinct values are the clients, e.g. "

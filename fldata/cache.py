@@ -12,6 +12,11 @@ fractions, label permutation, feature shift, synthetic keys), the client's parti
 the number of partitions, a fingerprint of the source files (path, size, modification time),
 and ``FORMAT``, raised whenever the partitioning code changes what it produces. A change of
 any of them gives a new key: a cached split is never reused for other settings or other data.
+
+Where the cache lies is the site's choice, never the run config's (``site_cache_dir``): the
+run config's ``data-cache`` may only turn it off. Whatever the directory, nothing is written
+outside it, and pruning removes only what looks like a split this code stored there (a
+directory, not a link, named like a key, holding a ``complete`` file).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -28,11 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from common.config import ConfigError, check_data_cache
+
 FORMAT = 2  # bumped whenever the split rule changes: 2 keeps a test example back
 # The cache keeps the splits used last, up to this many bytes on disk (a new split beyond it
-# removes the ones unused the longest); empty it with `rm -rf ~/.cache/pflower/partitions`.
+# removes the ones unused the longest); empty it by removing the site's cache folder.
 MAX_CACHE_BYTES = 2 * 1024**3
 ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")  # what ``cache_key`` gives: a split's folder name
 DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "partition-column",
              "dirichlet-alpha", "min-partition-size", "classes-per-client", "domain-groups",
              "seed", "test-fraction", "validation-fraction", "permute-labels", "feature-shift",
@@ -46,6 +55,28 @@ def default_cache_dir(state_dir: str | None) -> Path:
         return Path(state_dir) / "partitions"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pflower" / "partitions"
+
+
+def site_cache_dir(run_setting: str, node_setting: str | None,
+                   state_dir: str | None) -> Path | None:
+    """The directory this site keeps its splits in, or None (no cache): all the site's.
+
+    ``run_setting`` is the run config's ``data-cache``, written by the server's operator: it
+    may only say ``""`` (the site decides) or ``"off"`` (no cache); a path is refused
+    (``ConfigError``), never used. ``node_setting`` is the site's node-config ``data-cache``:
+    ``"off"``, or an absolute directory (``~`` expanded). Neither set: ``default_cache_dir``
+    (``<state-dir>/partitions``, else the user's cache)."""
+    check_data_cache(run_setting)
+    node_setting = str(node_setting) if node_setting else ""
+    if run_setting == "off" or node_setting == "off":
+        return None
+    if not node_setting:
+        return default_cache_dir(state_dir)
+    directory = Path(node_setting).expanduser()
+    if not directory.is_absolute():  # relative to what? A ClientApp's working directory varies
+        raise ConfigError(f"node config: data-cache {node_setting!r} must be an absolute "
+                          "directory or 'off'")
+    return directory
 
 
 def fingerprint(path: str | Path) -> list[Any]:
@@ -71,7 +102,10 @@ def cached_split(directory: Path, key: str,
                  compute: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The split stored under ``directory/key`` (memory-mapped, copy-on-write), computing and
     storing it first if it is not there. Concurrent writers are harmless: each writes a
-    temporary directory and renames it into place; the first rename wins."""
+    temporary directory and renames it into place; the first rename wins. ``key`` is a
+    ``cache_key`` (32 hex digits): the split's folder is a child of ``directory``."""
+    if not KEY_PATTERN.fullmatch(key):
+        raise ValueError(f"not a cache key: {key!r}")
     target = directory / key
     if not (target / "complete").exists():
         arrays = compute()
@@ -97,12 +131,18 @@ def cached_split(directory: Path, key: str,
 def prune(directory: Path, max_bytes: int, keep: Path | None = None) -> None:
     """Remove the splits under ``directory`` unused the longest (their ``complete`` file's
     time) until the rest fit in ``max_bytes``; ``keep`` stays. A process that still maps a
-    removed split keeps reading it (the files go once no one maps them)."""
+    removed split keeps reading it (the files go once no one maps them).
+
+    Only the splits this code stores count: a child of ``directory`` itself (not a link) named
+    like a key and holding a ``complete`` file; nothing else there, and nothing outside it,
+    is ever removed (a site may point its cache at a folder that holds other things)."""
     entries, total = [], 0
     for entry in directory.iterdir():
+        if not KEY_PATTERN.fullmatch(entry.name):
+            continue
         marker = entry / "complete"
         with contextlib.suppress(OSError):  # a split another process removes meanwhile
-            if not marker.exists():
+            if entry.is_symlink() or not entry.is_dir() or not marker.is_file():
                 continue
             size = sum(f.stat().st_size for f in entry.iterdir())
             total += size

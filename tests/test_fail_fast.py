@@ -54,6 +54,10 @@ CONFIG_MISTAKES = [
     (["partitioner=pathological", "classes-per-client=20"],
      "classes-per-client: 20 is out of range; allowed: [1, 10]"),
     (["method=fed per"], "method: cannot read the value 'fed per'"),
+    # where a site writes (and prunes) is the site's: its node config, never the run config
+    (["data-cache=/tmp/elsewhere"], "data-cache: '/tmp/elsewhere' is refused: the run config "
+     "takes only '' (each site's own cache) or 'off'; a site sets where it keeps its data "
+     "cache with its node config"),
     (["partitioner=Dirichlet"], "allowed: iid, dirichlet, pathological, domain, natural; did "
      "you mean 'dirichlet'?"),
     # differential privacy: a rule that would change the noised sum's sensitivity
