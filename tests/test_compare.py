@@ -1,6 +1,6 @@
-"""The compare command (launch/compare.py) and the statistics it shares with the evidence
-matrix (comparison/stats.py). One real comparison, 2 methods x 2 seeds on digits with both
-trackers on, serves the tests that read it."""
+"""The compare command (launch/compare.py): its arguments, its runs and what it writes (the
+statistics themselves: tests/test_compare_stats.py). One real comparison, 2 methods x 2 seeds
+on digits with both trackers on, serves the tests that read it."""
 
 from __future__ import annotations
 
