@@ -141,7 +141,8 @@ for component in "${stand_ins[@]}"; do
 done
 
 # 2. The app's SuperExec image on top.
-inputs=$( { cat deploy/superexec.Dockerfile deploy/pip-install.sh launch/forkserver.py
+inputs=$( { cat deploy/superexec.Dockerfile deploy/pip-install.sh launch/forkserver.py \
+                launch/forkchild.py
             docker image inspect -f '{{.Id}}' "flwr/superexec:$FLWR_VERSION"
             echo "$deps wheels:$wheels"; } \
           | sha256sum | cut -c1-16)

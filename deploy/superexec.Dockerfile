@@ -12,6 +12,7 @@ RUN --mount=type=bind,source=pyproject.toml,target=/tmp/pyproject.toml \
     sh /tmp/pip-install.sh --deps-of /tmp/pyproject.toml
 # The ServerApp and every ClientApp the SuperExec starts are forked from a process that has
 # imported Flower and PyTorch once, not started and imported afresh for each message
-# (launch/forkserver.py; with no fork server, the real commands run)
-COPY launch/forkserver.py /python/pflower/forkserver.py
+# (launch/forkserver.py; with no fork server, the real commands run). It loads what a forked
+# child does (launch/forkchild.py) from beside itself: the two files, and only them.
+COPY launch/forkserver.py launch/forkchild.py /python/pflower/
 ENTRYPOINT ["python", "-P", "/python/pflower/forkserver.py", "--exec", "flower-superexec"]

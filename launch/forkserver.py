@@ -11,10 +11,15 @@ them from here:
   commands need once, then waits on a Unix socket;
 - each command on ``bin_dir`` is a stdlib-only shim (~0.04 s) that hands the server its
   arguments, environment, working folder and standard streams; the server forks a child that
-  takes them over and calls the entry point the real command calls;
+  takes them over and calls the entry point the real command calls (``launch/forkchild.py``:
+  what the child does to become the real command's process);
 - the shim forwards SIGTERM/SIGINT/SIGHUP to the child and exits as it exits (its code, or its
   signal); a child whose shim is gone (SIGKILL of its process group) is stopped; with no fork
   server reachable, the shim runs the real command;
+- the server lives as long as its launcher (the process that holds its stdin): once that is
+  gone, it stops the children it forked (SIGTERM, then SIGKILL after ``STOP_GRACE_SECONDS``),
+  removes its private folder (socket, shims, log) and exits; SIGTERM, SIGINT or SIGHUP to
+  the server itself removes the folder too (its children stop with their shims);
 - a shim in another network namespace (``LocalDeployment(namespaces=True)``) gets a child that
   joins it; where the server may not (not root), the shim runs the real command.
 
@@ -23,8 +28,8 @@ global generators are re-seeded from the OS in every child, and PyTorch's thread
 child's ``OMP_NUM_THREADS``, as in a new process. The app's SuperExec image
 (``deploy/superexec.Dockerfile``) starts ``flower-superexec`` this way too
 (``python -P forkserver.py --exec flower-superexec ARGS...``), so a site's ClientApps and the
-ServerApp start warm in a container. This file must stay self-contained (the image copies it
-alone).
+ServerApp start warm in a container. This file and ``launch/forkchild.py``, which it loads by
+its path, must stay self-contained and stdlib-only at import (the image copies the two alone).
 
 A launcher's handle on a fork server of its own is ``launch/warm_start.py: ForkServer``.
 """
@@ -32,6 +37,7 @@ A launcher's handle on a fork server of its own is ``launch/warm_start.py: ForkS
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import select
@@ -39,12 +45,27 @@ import selectors
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
+
+
+def _load_sibling(name: str) -> ModuleType:
+    """``name``.py beside this file, loaded by its path: run as a script with -P (the server,
+    the SuperExec image's entrypoint), this file's folder is not on the import path."""
+    spec = importlib.util.spec_from_file_location(
+        f"pflower_{name}", Path(__file__).resolve().with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# What a forked child does to become its command's process (launch/forkchild.py)
+forkchild = _load_sibling("forkchild")
 
 # The commands a fork server starts (their console-script entry points, as Flower's package
 # declares them), and the modules it imports for them in advance
@@ -56,6 +77,15 @@ PRELOAD = ("torch", "numpy", "ray", "flwr.serverapp", "flwr.clientapp")
 SOCKET_ENV = "PFLOWER_FORKSERVER"
 READY = b"ready"
 START_TIMEOUT_SECONDS = 300  # for the server's imports, on a busy machine
+FOLDER_PREFIX = "pflower-fork-"
+SOCKET_PATH_MAX = 107  # bytes in a Unix socket's path (sun_path, less its final NUL)
+# Signals that stop the server; its children are forked with them blocked, then get back
+# the dispositions the server started with (what a new process would have)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# How long the children of a server whose launcher is gone get for SIGTERM before SIGKILL:
+# a ClientApp or a SuperExec exits on SIGTERM within a second
+STOP_GRACE_SECONDS = 2.0
+_original_handlers: dict[int, object] = {}
 # Read once, when Flower and Ray are imported: the server is given the values the launchers
 # give the processes they start (launch/federation.py)
 IMPORT_TIME_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0",
@@ -96,9 +126,14 @@ sys.exit(status)
 
 
 def private_folder() -> Path:
-    """Where a fork server's socket and shims live: a Unix socket's path must stay short,
-    so a private folder under /tmp."""
-    return Path(tempfile.mkdtemp(prefix="pflower-fork-", dir="/tmp"))
+    """Where a fork server's socket and shims live: a private folder in the temporary
+    folder (``TMPDIR``, else /tmp), or in /tmp where the socket's path would be too long
+    for a Unix socket."""
+    base = tempfile.gettempdir()
+    longest = os.path.join(base, FOLDER_PREFIX + "x" * 8, "socket")  # mkdtemp adds 8
+    if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=base))
 
 
 def server_command(socket_path: Path, commands: Mapping[str, str]) -> list[str]:
@@ -128,8 +163,8 @@ def exec_beside_fork_server(argv: Sequence[str], commands: Mapping[str, str],
     does not wait for the server's imports: until the server listens, a shim runs the real
     command. With ``wait`` seconds, ``argv`` starts once the server is ready, and a server
     that is not ready by then raises RuntimeError (its last log line), ``argv`` not started.
-    The server keeps the environment, and stops when ``argv``'s process is gone (it holds
-    the server's stdin)."""
+    The server keeps the environment, and when ``argv``'s process is gone (it holds the
+    server's stdin) stops what it forked, removes its folder and exits."""
     folder = private_folder()
     bin_dir = folder / "bin"
     write_shims(bin_dir, commands)
@@ -165,9 +200,11 @@ def readable(pipe: object, timeout: float) -> bool:
 def serve(socket_path: str, commands: Mapping[str, str]) -> None:
     """The fork server: import ``PRELOAD`` and each command's entry point, then fork a child
     for each request, in one thread (no lock another thread holds can be copied into a
-    child), until SIGTERM or until its launcher is gone (its stdin closes)."""
+    child). Once it has said it is ready, the server's folder is its own: it removes it as
+    it stops. Until its launcher is gone (its stdin closes): it stops its children, then
+    exits (status 0). Or until SIGTERM, SIGINT or SIGHUP: it ends by that signal, its
+    children left to their shims."""
     import importlib
-    import importlib.util
 
     # Never a CUDA call here (torch.cuda.*, a tensor on a GPU): a forked child cannot use a
     # CUDA context its parent created. Each child initialises CUDA itself, lazily, when its
@@ -185,30 +222,87 @@ def serve(socket_path: str, commands: Mapping[str, str]) -> None:
     import torch
 
     default_threads = torch.get_num_threads()
-    # what a new process's path would hold besides its script's folder and PYTHONPATH
-    base_path = [p for p in sys.path if p not in pythonpath(os.environ)]  # both absolute
+    # what a new process's path would hold besides its script's folder and PYTHONPATH (both
+    # absolute)
+    base_path = [p for p in sys.path if p not in forkchild.pythonpath(os.environ)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     listener.listen(64)
+    # a stop signal only wakes the loop (the handler runs between two of its steps)
+    wake_read, wake_write = socket.socketpair()
+    for end in (wake_read, wake_write):
+        end.setblocking(False)
+    stop_signals: list[int] = []
+    for number in STOP_SIGNALS:
+        handler = signal.getsignal(number)
+        if handler in (signal.SIG_IGN, None):  # ignored (SIGHUP under nohup), or not Python's
+            continue
+        _original_handlers[number] = handler
+        signal.signal(number, lambda received, _: stop_signals.append(received))
+    signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(sys.stdin, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
-    while True:
-        for key, _ in selector.select():
-            if key.fileobj is sys.stdin:
-                return  # the launcher is gone; the children stop with their shims
-            if key.fileobj is listener:
-                _fork_for(listener, selector, entries, base_path, default_threads)
-            else:  # a child exited: tell its shim how
-                pid, connection = key.data
-                selector.unregister(key.fileobj)
-                os.close(key.fileobj)
-                _, status = os.waitpid(pid, 0)
-                with contextlib.suppress(OSError):
-                    connection.send(str(os.waitstatus_to_exitcode(status)).encode())
-                connection.close()
+    try:
+        while not stop_signals:
+            for key, _ in selector.select():
+                if key.fileobj is sys.stdin:  # the launcher is gone: so is what it asked for
+                    listener.close()
+                    _stop_children(selector)
+                    return
+                if key.fileobj is wake_read:
+                    with contextlib.suppress(OSError):
+                        wake_read.recv(64)
+                elif key.fileobj is listener:
+                    _fork_for(listener, selector, entries, base_path, default_threads)
+                else:  # a child exited: tell its shim how
+                    _reap(selector, key)
+    finally:
+        _remove_folder(Path(socket_path))
+    number = stop_signals[0]  # end by it, as without a handler
+    signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
+
+
+def _reap(selector: selectors.BaseSelector, key: selectors.SelectorKey) -> None:
+    """A child has exited (its pidfd is readable): tell its shim how."""
+    pid, connection = key.data
+    selector.unregister(key.fileobj)
+    os.close(key.fileobj)
+    _, status = os.waitpid(pid, 0)
+    with contextlib.suppress(OSError):
+        connection.send(str(os.waitstatus_to_exitcode(status)).encode())
+    connection.close()
+
+
+def _stop_children(selector: selectors.BaseSelector) -> None:
+    """Stop every child still running: SIGTERM, and SIGKILL to those still there after
+    ``STOP_GRACE_SECONDS``. Each is reaped and its shim told how it ended. (Not reaped yet,
+    a child's pid cannot have been reused.)"""
+    children = {key.fileobj: key for key in selector.get_map().values() if key.data}
+    for number, wait in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, None)):
+        for key in children.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(key.data[0], number)
+        deadline = None if wait is None else time.monotonic() + wait
+        while children and (deadline is None or time.monotonic() < deadline):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for pidfd in select.select(list(children), [], [], left)[0]:
+                _reap(selector, children.pop(pidfd))
+
+
+def _remove_folder(socket_path: Path) -> None:
+    """Remove the server's socket, and its folder where that is a private folder (its
+    shims, its log)."""
+    folder = socket_path.parent
+    if folder.name.startswith(FOLDER_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            socket_path.unlink()
 
 
 def _fork_for(listener: socket.socket, selector: selectors.BaseSelector,
@@ -223,11 +317,21 @@ def _fork_for(listener: socket.socket, selector: selectors.BaseSelector,
         data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
         request = json.loads(data)
         entry = entries[request["command"]]
-        network = _network_to_join(connection)
-        pid = os.fork()
-        if pid == 0:
-            _close_inherited(selector)
-            _run_child(entry, request, fds, connection, network, base_path, default_threads)
+        network = forkchild.network_to_join(connection)
+        # blocked across the fork: a signal sent to the child before it has its own
+        # dispositions back is not taken by the server's handler
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    forkchild.close_inherited(selector, _original_handlers, mask)
+                    forkchild.run_child(entry, request, fds, connection, network,
+                                        base_path, default_threads)
+                finally:
+                    os._exit(1)  # never back into the server's loop
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # watched before the shim hears of it: a child is reaped even if its shim is gone
         selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
         watched = True
@@ -241,134 +345,10 @@ def _fork_for(listener: socket.socket, selector: selectors.BaseSelector,
                 os.close(fd)
 
 
-def _close_inherited(selector: selectors.BaseSelector) -> None:
-    """In a child: close the server's listener, pidfds and other shims' connections (its
-    own is not registered yet: it stays open, to watch its shim through)."""
-    for key in list(selector.get_map().values()):
-        if key.fileobj is sys.stdin:
-            continue
-        if key.data:
-            key.data[1].close()
-            os.close(key.fileobj)
-        else:
-            key.fileobj.close()
-    selector.close()
-
-
-def _network_to_join(connection: socket.socket) -> str | None:
-    """The network namespace of the shim at the other end, where it is not the server's
-    (``/proc/<pid>/ns/net``); OSError (the request is refused) where only root could join
-    it."""
-    pid, _, _ = struct.unpack("3i", connection.getsockopt(
-        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    theirs = f"/proc/{pid}/ns/net"
-    if os.stat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:
-        return None
-    if os.geteuid() != 0:
-        raise PermissionError("joining another network namespace needs root")
-    return theirs
-
-
-def _join_network(namespace: str) -> None:
-    """setns(2) into a network namespace (os.setns is Python 3.12+)."""
-    import ctypes
-
-    clone_newnet = 0x40000000
-    fd = os.open(namespace, os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
-            raise OSError(ctypes.get_errno(), f"setns {namespace}")
-    finally:
-        os.close(fd)
-
-
-def _run_child(entry: Callable[[], object], request: dict, fds: list[int],
-               connection: socket.socket, network: str | None, base_path: list[str],
-               default_threads: int) -> None:
-    """In the forked child: become the requested command's process (in its shim's network
-    namespace), run its entry point, exit with its status (never returns)."""
-    code = 1
-    try:
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        if network is not None:
-            _join_network(network)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        sys.argv = request["argv"]
-        # as the real command's process has it: its script's folder, PYTHONPATH, the rest
-        sys.path[:] = [str(Path(sys.executable).parent), *pythonpath(os.environ),
-                       *base_path]
-        _name_process(Path(sys.argv[0]).name)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _reseed(default_threads)
-        _stop_with_shim(connection)
-        entry()
-        code = 0
-    except SystemExit as leaving:
-        code = leaving.code if isinstance(leaving.code, int) else (leaving.code is not None)
-        if not isinstance(leaving.code, int | None):
-            print(leaving.code, file=sys.stderr)
-    except BaseException:  # the child's last word, as Python's own exit would print it
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        import atexit
-
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _reseed(default_threads: int) -> None:
-    """What a new process would have: global generators seeded from the OS, and PyTorch's
-    thread count from OMP_NUM_THREADS (OpenMP read the server's environment at import)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    random.seed()
-    np.random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                          else default_threads)
-
-
-def _stop_with_shim(connection: socket.socket) -> None:
-    """Kill the child when its shim is gone. The shim never writes, so a read returns only
-    when its end closed; a shim sent a catchable signal forwards it and waits for the
-    child, so one gone first was killed (SIGKILL of its process group: a crash)."""
-    import threading
-
-    def watch() -> None:
-        with contextlib.suppress(OSError):
-            connection.recv(1)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="shim-watch", daemon=True).start()
-
-
-def pythonpath(env: Mapping[str, str]) -> list[str]:
-    """PYTHONPATH's folders, made absolute as Python makes them in ``sys.path`` at start."""
-    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _name_process(name: str) -> None:
-    """The child's process name (``ps``, ``pgrep``): the command's, not the server's."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
 
 if __name__ == "__main__":
     if sys.argv[1] == "--exec":
         exec_beside_fork_server(sys.argv[2:], COMMANDS)
     serve(sys.argv[1], json.loads(sys.argv[2]))
+    sys.stderr.flush()
+    os._exit(0)  # without tearing down PyTorch, Flower and the rest (about 0.6 s)

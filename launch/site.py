@@ -7,6 +7,14 @@ takes exactly ``flower-supernode``'s arguments and runs it with a fork server's
 image's ``--exec`` mode): the server imports Flower, PyTorch and NumPy once, and each
 message's ClientApp is a child forked from it.
 
+The SuperExec that ``flower-supernode`` starts (``flower-superexec``, found on the same
+``PATH``) is forked from it too, so that it stops with its SuperNode: Flower's SuperNode
+leaves it running when it exits, and the SuperExec, which looks for its parent every 0.2 s,
+acts on that only once its current retry's wait is over (up to 20 s: the signal it raises is
+handled by its main thread). The fork server stops its children as soon as the SuperNode is
+gone (``kill`` of the SuperNode, or its crash), removes its folder and exits: a few seconds
+after the SuperNode, nothing of the site is left.
+
 - Isolation as before: every message still runs in a process of its own, with the
   SuperNode's environment and working folder; a ClientApp that crashes or is killed takes
   only its own child with it.
@@ -30,7 +38,9 @@ from launch.forkserver import COMMANDS, exec_beside_fork_server
 
 OFF_ENV = "PFLOWER_WARM_CLIENTAPPS"
 READY_SECONDS = 120  # the fork server's imports, on a slow or busy site
-SITE_COMMANDS = {"flwr-clientapp": COMMANDS["flwr-clientapp"]}
+# flower-supernode's SuperExec, and the ClientApp it starts for each message
+SITE_COMMANDS = {"flower-superexec": "flwr.supercore.cli:flower_superexec",
+                 "flwr-clientapp": COMMANDS["flwr-clientapp"]}
 
 
 def why_not_warm() -> str | None:

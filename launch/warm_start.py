@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from launch.forkchild import pythonpath
 from launch.forkserver import (
     COMMANDS,
     IMPORT_TIME_ENV,
@@ -20,7 +21,6 @@ from launch.forkserver import (
     SOCKET_ENV,
     START_TIMEOUT_SECONDS,
     private_folder,
-    pythonpath,
     readable,
     server_command,
     write_shims,
@@ -61,8 +61,11 @@ class ForkServer:
         ready = self.process.stdout.read(len(READY)) if readable(
             self.process.stdout, START_TIMEOUT_SECONDS) else b""
         if ready != READY:
-            self.__exit__(None, None, None)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)  # a server that failed is exiting: its log complete
+            # read before __exit__, which removes the log with the folder
             tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
+            self.__exit__(None, None, None)
             raise RuntimeError(f"the fork server did not start: {' '.join(tail) or 'no output'}")
         return self
 

@@ -6,11 +6,13 @@ resumed run, and the README's recipe."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -203,55 +205,94 @@ def readme_recipe() -> str:
 def test_the_readme_loopback_recipe_runs_as_written(tmp_path, forkserver):
     """The README's deployment without Docker, pasted into bash in a copy of the app, with
     ``SITES=2`` (its default is 3; two show the same): every site trains and evaluates every
-    round, results land where it says, and its last line leaves no Flower process behind.
-    The recipe's commands run as written: its sites are ``pflower-supernode``s, each
-    forking its ClientApps from a fork server of its own; the ServerApp is forked warm from
-    the session's (its shims first on PATH). Its status line is read uncut (JSON)."""
+    round, results land where it says, and its last line, ``kill $PIDS``, leaves nothing of
+    the deployment behind within 5 s: no process (the SuperLink, the SuperNodes, the
+    SuperExecs they started, the sites' fork servers and what they forked) and none of the
+    fork servers' folders. The recipe's commands run as written: its sites are
+    ``pflower-supernode``s, each forking its SuperExec and ClientApps from a fork server of
+    its own; the ServerApp is forked warm from the session's (its shims first on PATH). Its
+    status line is read uncut (JSON). The deployment gets a temporary folder of its own
+    (``TMPDIR``), where its fork servers make their folders."""
     app_dir = copy_app(tmp_path / "app")
-    warm = forkserver.env()
-    process = subprocess.Popen(
-        ["bash", "-c", readme_recipe()], cwd=app_dir, text=True, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **warm, "PORT": str(free_port()), "SITES": "2",
-             "PATH": os.pathsep.join([warm["PATH"], str(Path(sys.executable).parent),
-                                      os.environ["PATH"]]),
-             "FLWR_DISABLE_UPDATE_CHECK": "1"})
-    try:
-        output, _ = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-3000:]
-    assert "[final] wrote to outputs/loopback: results.json, results.png, checkpoint.npz\n" \
-        in output
-    assert '"status": "finished:completed"' in output
-    results = read_results(app_dir / "outputs" / "loopback")
-    assert results["status"] == "completed" and results["method"] == "fedper"
-    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
-    for entry in results["rounds"]:
-        assert entry["train"]["num_clients"] == 2 and entry["eval"]["num_clients"] == 2
     home = app_dir / ".flwr" / "loopback"
-    assert all((home / f"site-{i}" / f"{i}.pt").exists() for i in range(2))
-    # `kill $PIDS` stops the SuperLink and SuperNodes; their SuperExecs notice and exit, in
-    # seconds on a quiet machine, in over 20 beside the compose tests on 2 cores
-    deadline, left = time.monotonic() + 60, _flower_processes_in(home, app_dir)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        left = _flower_processes_in(home, app_dir)
-    assert not left, left
+    tmpdir = Path(tempfile.mkdtemp(prefix="loopback-tmp-", dir="/tmp"))  # a short path
+    warm = forkserver.env()
+    log = tmp_path / "recipe.log"
+    try:
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                ["bash", "-c", readme_recipe()], cwd=app_dir, text=True, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **warm, "PORT": str(free_port()), "SITES": "2",
+                     "PATH": os.pathsep.join([warm["PATH"], str(Path(sys.executable).parent),
+                                              os.environ["PATH"]]),
+                     "FLWR_DISABLE_UPDATE_CHECK": "1", "TMPDIR": str(tmpdir)})
+        try:
+            # the fork servers' folders, seen while the deployment runs
+            folders, deadline = set(), time.monotonic() + 600
+            while process.poll() is None and time.monotonic() < deadline:
+                folders |= set(tmpdir.glob("pflower-fork-*"))
+                time.sleep(0.5)
+            process.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        # `kill $PIDS` was the recipe's last command: from its end, 5 s for everything
+        # the deployment started to be gone (the sites' SuperExecs would otherwise outlive
+        # their SuperNodes by up to 20 s, and the fork servers' folders stay)
+        left = _left_behind(home, app_dir, tmpdir, within=5.0)
+        output = log.read_text()
+        assert process.returncode == 0, output[-3000:]
+        assert "[final] wrote to outputs/loopback: results.json, results.png, checkpoint.npz\n" \
+            in output
+        assert '"status": "finished:completed"' in output
+        results = read_results(app_dir / "outputs" / "loopback")
+        assert results["status"] == "completed" and results["method"] == "fedper"
+        assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+        for entry in results["rounds"]:
+            assert entry["train"]["num_clients"] == 2 and entry["eval"]["num_clients"] == 2
+        assert all((home / f"site-{i}" / f"{i}.pt").exists() for i in range(2))
+        # each site started warm, its fork server's folder in the deployment's TMPDIR
+        assert len(folders) == 2, folders
+        for i in range(2):
+            assert "ClientApps start cold" not in (home / f"site-{i}.log").read_text()
+        assert not left, left
+    finally:
+        for pid in _deployment_processes(home, app_dir, tmpdir):  # a failed test's only
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _flower_processes_in(*places: Path) -> list[str]:
-    """Command lines of running Flower processes that name one of ``places`` or were started
-    there (their working directory)."""
-    found = []
+def _left_behind(home: Path, app_dir: Path, tmpdir: Path, within: float) -> list[str]:
+    """What is left of a deployment after ``within`` seconds (polled; empty as soon as
+    nothing is): its processes, and the fork servers' folders in its ``tmpdir``."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [*_deployment_processes(home, app_dir, tmpdir).values(),
+                *map(str, tmpdir.glob("pflower-fork-*"))]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _deployment_processes(home: Path, app_dir: Path, tmpdir: Path) -> dict[int, str]:
+    """Live processes of the deployment in ``home`` (never another test's): started with
+    its ``FLWR_HOME`` or ``TMPDIR`` (the recipe's processes and all they start, forked ones
+    included), naming either on their command line, or working in ``app_dir`` (the
+    ServerApp, forked from the session's fork server). Their command lines, by pid."""
+    marks = [f"FLWR_HOME={home}".encode(), f"TMPDIR={tmpdir}".encode()]
+    found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
+            if (proc / "stat").read_text().rsplit(") ", 1)[1].startswith("Z"):
+                continue  # ended, not yet reaped
+            environ = (proc / "environ").read_bytes().split(b"\0")
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             cwd = os.readlink(proc / "cwd")
         except OSError:
             continue
-        if ("flower-" in cmdline or "flwr-" in cmdline) and any(
-                str(p) in cmdline or cwd == str(p) for p in places):
-            found.append(cmdline)
+        if (any(mark in environ for mark in marks) or cwd == str(app_dir)
+                or str(home) in cmdline or str(tmpdir) in cmdline):
+            found[int(proc.name)] = f"{proc.name}: {cmdline}"
     return found
