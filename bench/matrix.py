@@ -43,6 +43,7 @@ always written from all cells present (plots in ``bench/results/matrix/``). The 
 from __future__ import annotations
 
 import argparse
+import os
 
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, row_entry, run, select
@@ -56,6 +57,7 @@ from bench.evidence.protocol import (
     pool_file,
 )
 from bench.evidence.report import judged, write_report
+from client_app.runtime import EXACT_EVALUATION_ENV
 from launch.federation import warm_federation
 
 
@@ -104,6 +106,10 @@ def main() -> None:
                                           if args.device != "auto" else "")
     only = [o for o in args.only.split(",") if o]
     if not args.write_only:
+        # the matrix's simulated sites are the benchmark's own: under local DP they send their
+        # exact scores, so that a privacy row's accuracy is the model's, not a noised figure
+        # (client_app/runtime.py: Client.released)
+        os.environ[EXACT_EVALUATION_ENV] = "1"
         with warm_federation() as federation:
             matrix = Matrix(federation, common, tuning=tuning)
             whole = not only and args.stage == "all" and not (args.ablations or args.privacy)

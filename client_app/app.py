@@ -12,7 +12,7 @@ from collections.abc import Callable
 from logging import ERROR
 
 import torch
-from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
@@ -50,7 +50,9 @@ def error_reply(handler: Handler) -> Handler:
     (``common.protocol.error_reason``), so that the server can tell a failure every client
     shares (a bad config, data that is not there: the run stops with that line) from a few
     clients failing (their replies are dropped). A ``ConfigError`` is logged as its one line,
-    anything else with its traceback, here on the client."""
+    anything else with its traceback, here on the client. Under ``dp.mode = "local"`` only a
+    ``ConfigError``'s line (about the run's and the site's settings) leaves the site; any
+    other error is named by its type alone."""
 
     @functools.wraps(handler)
     def replying(msg: Message, context: Context) -> Message:
@@ -58,6 +60,11 @@ def error_reply(handler: Handler) -> Handler:
             return handler(msg, context)
         except Exception as error:  # whatever it is, the server hears of it in one line
             reason = error_reason(error)
+            if context.run_config.get("dp.mode") == "local" and not isinstance(error,
+                                                                           ConfigError):
+                # its message may quote what the data made (a value, a shape, a count)
+                reason = (f"{type(error).__name__}: its message stays on the site under "
+                          "dp.mode='local' (the site's log has it)")
             log(ERROR, "%s failed: %s", msg.metadata.message_type, reason,
                 exc_info=None if isinstance(error, ConfigError) else error)
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
@@ -129,10 +136,10 @@ def train(msg: Message, context: Context) -> Message:
     client.keep_personal(model, received, shared, server_round)
     return Message(RecordDict({
         ARRAYS: shared,
-        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_train),
-                               "train-loss": float(loss), **evaluation, **privacy,
-                               **phases.metrics(),
-                               "cpu-seconds": time.process_time() - started}),
+        METRICS: client.released({NUM_EXAMPLES: len(client.data().y_train),
+                                  "train-loss": float(loss), **evaluation, **privacy,
+                                  **phases.metrics(),
+                                  "cpu-seconds": time.process_time() - started}),
         CLIENT: identity,
     }), reply_to=msg)
 
@@ -152,10 +159,10 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
     scored = client.evaluate(model, int(config[SERVER_ROUND]))
     phases.lap("evaluate")
     return Message(RecordDict({
-        METRICS: MetricRecord({NUM_EXAMPLES: len(client.data().y_test), "loss": scored.loss,
-                               "accuracy": scored.accuracy,
-                               TASK_ACCURACY: scored.task_accuracy, **phases.metrics(),
-                               "cpu-seconds": time.process_time() - started}),
+        METRICS: client.released({NUM_EXAMPLES: len(client.data().y_test),
+                                  "loss": scored.loss, "accuracy": scored.accuracy,
+                                  TASK_ACCURACY: scored.task_accuracy, **phases.metrics(),
+                                  "cpu-seconds": time.process_time() - started}),
         CLIENT: client.identity(),
     }), reply_to=msg)
 
@@ -173,5 +180,7 @@ def query(msg: Message, context: Context) -> Message:
     if action not in client.method.actions:
         raise ValueError(f"unknown query action {action!r} for method {client.method.name}")
     content = client.method.actions[action](client, msg)
+    if METRICS in content.metric_records:
+        content[METRICS] = client.released(dict(content[METRICS]))
     content[CLIENT] = client.identity()
     return Message(content, reply_to=msg)

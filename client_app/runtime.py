@@ -12,11 +12,12 @@ from logging import INFO, WARNING
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from client_app.site_floor import check_site_floor
 from common.config import ConfigError, RunSettings
 from common.durable import write_atomic
 from common.protocol import (
@@ -24,6 +25,7 @@ from common.protocol import (
     CLIENT_ID_PATTERN,
     DP_CLIP_NORM,
     DP_CLIPPED,
+    EXACT_EVALUATION,
     NUM_PARTITIONS,
     PARTITION_ID,
     identity_record,
@@ -33,7 +35,7 @@ from common.seeds import Stream, derived_seed
 from fldata import ClientData, load_client_data
 from fldata.cache import site_cache_dir
 from strategies.method import Method
-from strategies.privacy import privatize_uplink, secret_rng
+from strategies.privacy import privatize_uplink, released_metrics, secret_rng
 from strategies.registry import REGISTRY, load_settings
 from strategies.training import Evaluation, LocalTraining, evaluate_model
 from strategies.wire import WireSpec
@@ -93,6 +95,9 @@ def _wire_spec(run_config_json: str) -> WireSpec:
     return REGISTRY[settings.method].wire_spec(settings)
 
 
+EXACT_EVALUATION_ENV = "PFLOWER_DP_EXACT_EVALUATION"
+
+
 @lru_cache(maxsize=4)
 def _client_data(run_config_json: str, partition_id: int, num_partitions: int,
                  data_dir: str | None, state_dir: str | None,
@@ -147,6 +152,8 @@ class Client:
         if not is_client_id(client_id):  # it names this client's personal-state files
             raise ConfigError(f"node config: client-id {client_id!r} is not a safe id "
                               f"(pattern {CLIENT_ID_PATTERN.pattern})")
+        # a run below the site's own privacy floor gets nothing from this site
+        check_site_floor(node, settings, client_id)
         return cls(context, settings, REGISTRY[settings.method], client_id, partition_id,
                    select_device(settings.device), _wire_spec(run_config_json),
                    run_config_json)
@@ -307,3 +314,18 @@ class Client:
         sent, clipped = privatize_uplink(uplink, start, settings.dp_mode, clip_norm,
                                          settings.dp_noise_multiplier, secret_rng())
         return sent, ({DP_CLIPPED: float(clipped)} if settings.dp_mode == "central" else {})
+
+    def released(self, metrics: dict[str, float | int]) -> MetricRecord:
+        """A reply's ``metrics`` as they leave this client: as they are, or under ``dp.mode =
+        "local"`` nothing exact its data decides (``strategies.privacy.released_metrics``:
+        scores noised, or exact where this site opted in with its node config's
+        ``dp-exact-evaluation``, or ``PFLOWER_DP_EXACT_EVALUATION=1`` in its environment;
+        example counts 1; the rest withheld)."""
+        if self.settings.dp_mode != "local":
+            return MetricRecord(metrics)
+        # the site's opt-in: its node config, or (a simulation's sites have no node config
+        # of their own) the environment its ClientApps run in
+        exact = (str(self.context.node_config.get(EXACT_EVALUATION, "")).lower() in ("true", "1")
+                 or os.environ.get(EXACT_EVALUATION_ENV) == "1")
+        return MetricRecord(released_metrics(metrics, self.settings.dp_noise_multiplier,
+                                             exact, secret_rng()))

@@ -38,6 +38,23 @@ CLIENT_ID, PARTITION_ID, NUM_PARTITIONS = "client-id", "partition-id", "num-part
 SERVER_ROUND, ACTION, IDENTIFY = "server-round", "action", "identify"
 TRAIN_METRICS = ("train-loss",)
 EVALUATE_METRICS = ("accuracy", "loss")
+# under dp.mode = "local" a reply carries no exact data-dependent value (strategies/privacy.py:
+# released_metrics): no losses, no timings; accuracies noised, example counts fixed at 1
+LOCAL_DP_TRAIN_METRICS: tuple[str, ...] = ()
+LOCAL_DP_EVALUATE_METRICS = ("accuracy",)
+# a site's opt-in to exact evaluation under local DP (its node config key; the flag its
+# replies carry: their accuracies are exact and not accounted)
+EXACT_EVALUATION = "dp-exact-evaluation"
+
+
+def train_metric_keys(dp_mode: str) -> tuple[str, ...]:
+    """The metrics a train reply must carry under ``dp_mode`` (besides ``num-examples``)."""
+    return LOCAL_DP_TRAIN_METRICS if dp_mode == "local" else TRAIN_METRICS
+
+
+def evaluate_metric_keys(dp_mode: str) -> tuple[str, ...]:
+    """The metrics an evaluate reply must carry under ``dp_mode``."""
+    return LOCAL_DP_EVALUATE_METRICS if dp_mode == "local" else EVALUATE_METRICS
 # a client's balanced accuracy on its own test split (the mean over the classes present in it
 # of the share of that class's examples classified right: ``strategies/training.py:
 # accuracy_scores``); optional in a reply like ``cpu-seconds``, range-checked when present
@@ -78,7 +95,7 @@ METRIC_RANGES: dict[str, tuple[float, float]] = {
     "accuracy": (0.0, 1.0), "loss": (0.0, math.inf), "train-loss": (0.0, math.inf),
     "cpu-seconds": (0.0, math.inf), EVAL_ACCURACY: (0.0, 1.0), EVAL_LOSS: (0.0, math.inf),
     EVAL_CPU: (0.0, math.inf), TASK_ACCURACY: (0.0, 1.0), EVAL_TASK_ACCURACY: (0.0, 1.0),
-    DP_CLIPPED: (0.0, 1.0)}
+    DP_CLIPPED: (0.0, 1.0), EXACT_EVALUATION: (1.0, 1.0)}
 """Allowed ranges of the metrics the server reads; any other metric must be a finite number."""
 
 

@@ -85,7 +85,9 @@ class LocalDeployment(LocalFederation):
     (each site with a fork server of its own, as on a real device: ``launch/site.py``).
     ``database``: the SuperLink's SQLite file in ``home``, as the README's recipe and the
     compose file keep theirs (the benchmarks measure that); None: Flower's in-memory state,
-    which serves the same runs for a third of the SuperLink's CPU (the tests)."""
+    which serves the same runs for a third of the SuperLink's CPU (the tests).
+    ``node_configs[site]``: more of the site's ``--node-config``, after its own keys (e.g.
+    its privacy floor, ``"dp-min-noise-multiplier=1.0"``: ``client_app/site_floor.py``)."""
 
     def __init__(self, num_sites: int = 3, certs_dir: str | Path | None = None,
                  home: str | Path | None = None, namespaces: bool = False,
@@ -93,8 +95,8 @@ class LocalDeployment(LocalFederation):
                  client_ids: dict[int, str] | None = None,
                  start_sites: list[int] | None = None, site_threads: int | None = None,
                  poll_interval: float = 0.2, forkserver: ForkServer | None = None,
-                 supernode: str = "flower-supernode", database: str | None = "state.db"
-                 ) -> None:
+                 supernode: str = "flower-supernode", database: str | None = "state.db",
+                 node_configs: dict[int, str] | None = None) -> None:
         # the SuperExecs a SuperNode starts look for new work (each message's ClientApp)
         # every second by default
         super().__init__(home, forkserver=forkserver, superexec_poll_seconds=poll_interval)
@@ -110,6 +112,7 @@ class LocalDeployment(LocalFederation):
                              if site_threads is None else site_threads)
         self.database = database
         self.supernode = supernode
+        self.node_configs = dict(node_configs or {})
         self.site_ports = [free_port() for _ in range(num_sites)]
         self.sites: dict[int, subprocess.Popen] = {}
         self.namespaces = namespaces
@@ -230,7 +233,8 @@ class LocalDeployment(LocalFederation):
             security += ["--auth-supernode-private-key", str(self.node_key(site))]
         node_config = (f"partition-id={site} num-partitions={self.num_sites} "
                        f"client-id='{self.client_ids[site]}' "
-                       f"state-dir='{self.state_dir(site)}'")
+                       f"state-dir='{self.state_dir(site)}' "
+                       f"{self.node_configs.get(site, '')}").strip()
         prefix = ["ip", "netns", "exec", self.namespace(site)] if self.namespaces else []
         self.sites[site] = self._spawn(
             [*prefix, self.supernode, *security, "--superlink",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import UTC, datetime
 from logging import ERROR, INFO, WARNING
@@ -49,6 +50,7 @@ class ResultsRecorder:
         self.extra: dict[str, Any] = {}  # after-training results (e.g. FedFac's new clients)
         self.status, self.reason = "running", ""
         self._t_start = self._t_round = time.monotonic()
+        self._explained = False  # epsilon in plain words: once a run, at its first figure
         out_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -90,6 +92,11 @@ class ResultsRecorder:
             _fmt(acc.get("accuracy_min")), _fmt(acc.get("accuracy_task_mean")),
             acc.get("num_clients", 0), entry.get("bytes_up", 0) / MB,
             entry.get("bytes_down", 0) / MB, entry["seconds"], _privacy(entry.get("privacy")))
+        spent = entry.get("privacy")
+        if spent and not self._explained and spent["epsilon"] > 0:
+            self._explained = True
+            grade = privacy_in_words(spent)
+            log(WARNING if spent["epsilon"] > MODERATE_EPSILON else INFO, "%s", grade)
 
     def final(self) -> dict[str, Any]:
         evaluated = [r["eval"] for r in self.rounds if "eval" in r]
@@ -194,7 +201,25 @@ def _privacy(spent: dict[str, Any] | None) -> str:
     """A DP run's budget spent, for the progress and final lines ("" without DP)."""
     if not spent:
         return ""
-    return f" | epsilon {spent['epsilon']:.3f} at delta {spent['delta']:.2g} ({spent['mode']} DP)"
+    worst = " (the most released client)" if spent["mode"] == "local" else ""
+    return (f" | epsilon {spent['epsilon']:.3f}{worst} at delta {spent['delta']:.2g} "
+            f"({spent['mode']} DP)")
+
+
+# What the docs call a strong, a moderate and a weak guarantee (docs/privacy.md: reading epsilon)
+STRONG_EPSILON, MODERATE_EPSILON = 1.0, 10.0
+
+
+def privacy_in_words(spent: dict[str, Any]) -> str:
+    """One line, once a run, beside the first epsilon it reports: what epsilon bounds, and
+    where this one stands."""
+    epsilon = spent["epsilon"]
+    grade = ("strong" if epsilon <= STRONG_EPSILON else "moderate"
+             if epsilon <= MODERATE_EPSILON else "weak: past what the docs call meaningful")
+    return (f"[privacy] epsilon {epsilon:.3g} at delta {spent['delta']:.2g}: changing one "
+            f"client's data changes the odds of anything released by at most a factor of "
+            f"e^epsilon = {math.exp(min(epsilon, 700)):.3g}, except with probability delta; "
+            f"{grade} (docs/privacy.md#reading-epsilon)")
 
 
 def plot_results(results: dict[str, Any], path: Path) -> None:

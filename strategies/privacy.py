@@ -22,6 +22,7 @@ clipped updates differ by at most twice the clip norm, so the accountant is give
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Mapping
 
@@ -30,6 +31,14 @@ from flwr.app import Array, ArrayRecord
 from flwr.supercore.differential_privacy import clip_inputs_inplace, get_norm
 
 from common.config import ConfigError, RunSettings
+from common.protocol import (
+    EVAL_ACCURACY,
+    EVAL_EXAMPLES,
+    EVAL_TASK_ACCURACY,
+    EXACT_EVALUATION,
+    NUM_EXAMPLES,
+    TASK_ACCURACY,
+)
 
 
 def secret_rng() -> np.random.Generator:
@@ -72,6 +81,36 @@ def privatize_uplink(uplink: ArrayRecord, start: ArrayRecord, mode: str, clip_no
             values += rng.normal(0.0, noise_multiplier * clip_norm, values.shape)
     return ArrayRecord({k: Array(values.astype(uplink[k].numpy().dtype))
                         for k, values in zip(keys, sent, strict=True)}), clipped
+
+
+# What a reply's metrics become under dp.mode = "local" (``released_metrics``): the scores, in
+# [0, 1], noised under the same accountant as an update; the example counts fixed at 1 (the
+# server's weights become uniform); everything else (losses, timings) withheld
+LOCAL_DP_NOISED = ("accuracy", TASK_ACCURACY, EVAL_ACCURACY, EVAL_TASK_ACCURACY)
+LOCAL_DP_FIXED = (NUM_EXAMPLES, EVAL_EXAMPLES)
+
+
+def released_metrics(metrics: Mapping[str, float | int], noise_multiplier: float,
+                     exact_evaluation: bool, rng: np.random.Generator) -> dict[str, float | int]:
+    """What of a reply's ``metrics`` leaves a client under ``dp.mode = "local"``: nothing
+    exact that its data decides. The scores it carries (``LOCAL_DP_NOISED``, each in [0, 1],
+    so that replacing the client's data moves the vector of ``k`` of them by at most
+    ``sqrt(k)`` in L2) get ``N(0, (noise_multiplier / 2 * sqrt(k))^2)`` each, the noise an
+    update's release has per unit of its replace-one sensitivity (``2 * clip_norm``): one
+    more release of the same Gaussian mechanism for the accountant; then cut to [0, 1]
+    (post-processing). ``exact_evaluation`` (the site's own opt-in, its node config's
+    ``dp-exact-evaluation``): the scores go exact, flagged, and are not accounted. Example
+    counts become 1; any other metric is withheld."""
+    released: dict[str, float | int] = {k: 1 for k in LOCAL_DP_FIXED if k in metrics}
+    scores = [k for k in LOCAL_DP_NOISED if k in metrics]
+    if scores and exact_evaluation:
+        released.update({k: float(metrics[k]) for k in scores})
+        released[EXACT_EVALUATION] = 1.0
+    elif scores:
+        std = noise_multiplier / 2 * math.sqrt(len(scores))
+        released.update({k: float(np.clip(float(metrics[k]) + rng.normal(0.0, std), 0.0, 1.0))
+                         for k in scores})
+    return released
 
 
 def noised_mean(uploads: list[list[np.ndarray]], start: list[np.ndarray], clip_norm: float,

@@ -54,6 +54,8 @@ CONFIG_MISTAKES = [
     (["partitioner=pathological", "classes-per-client=20"],
      "classes-per-client: 20 is out of range; allowed: [1, 10]"),
     (["method=fed per"], "method: cannot read the value 'fed per'"),
+    # a delta past 1e-3 is a weak guarantee for any federation
+    (["dp.mode=central", "dp.delta=0.1"], "dp.delta: 0.1 is out of range; allowed: [0, 0.001]"),
     # where a site writes (and prunes) is the site's: its node config, never the run config
     (["data-cache=/tmp/elsewhere"], "data-cache: '/tmp/elsewhere' is refused: the run config "
      "takes only '' (each site's own cache) or 'off'; a site sets where it keeps its data "

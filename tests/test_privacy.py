@@ -236,7 +236,7 @@ def test_central_epsilon_is_dp_accountings_for_the_same_rounds_sampling_and_nois
         expected = reference_epsilon(event, NeighboringRelation.REPLACE_ONE, server_round,
                                      delta)
         assert spent["epsilon"] == pytest.approx(expected, rel=1e-12)
-        assert spent["delta"] == delta == 1 / 20 ** 1.1
+        assert spent["delta"] == delta == 1e-5
     assert spent["mode"] == "central" and spent["noise_multiplier"] == z
     ledger.round_drawn([str(i) for i in range(drawn)], 10)
     reference = ReferenceAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
@@ -306,11 +306,20 @@ def test_the_population_is_never_fewer_than_the_clients_identified():
     assert ledger.population == 5 and ledger.delta() == default_delta(5)
 
 
+def test_the_default_delta_is_at_most_1e_5_and_a_tenth_of_one_over_the_clients():
+    """The chance the guarantee fails outright: far below one over the number of clients,
+    and small in absolute terms; a delta the run config sets is at most 1e-3."""
+    assert default_delta(1) == default_delta(10) == default_delta(10_000) == 1e-5
+    assert default_delta(100_000) == pytest.approx(1e-6)
+    assert population(PrivacyLedger(settings()), 20).delta() == 1e-5
+    with pytest.raises(ConfigError, match=r"^dp\.delta: 0\.1 is out of range; allowed: \[0, "
+                                          r"0\.001\]"):
+        load_settings(app_config(**{"dp.mode": "central", "dp.delta": 0.1}))
+
+
 def test_a_mistake_that_shows_only_with_the_clients_stops_before_round_one():
-    """Known at the preflight, not in a later round: one client with the default delta, or a
-    clipped-count noise too small for the noise multiplier."""
-    with pytest.raises(ConfigError, match=r"dp\.delta: with one client"):
-        population(PrivacyLedger(settings()), 1)
+    """Known at the preflight, not in a later round: a clipped-count noise too small for the
+    noise multiplier."""
     with pytest.raises(ConfigError, match=r"dp\.clipped-count-stddev: with 10 clients a round"):
         population(PrivacyLedger(settings(**{"dp.adaptive-clipping": True,
                                               "dp.noise-multiplier": 1.5})), 10)

@@ -8,6 +8,7 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant as ReferenceAccountant
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from strategies.engine.privacy import default_delta, local_epsilon
 from tests.conftest import (
     REFERENCE,
     REFERENCE_CLIENTS,
@@ -42,7 +43,7 @@ def test_a_central_dp_run_reports_its_budget_and_stops_before_passing_its_target
     """FedDecomp under central DP with a target epsilon between what 2 and 3 rounds spend:
     rounds 1-2 run, each with its epsilon (dp-accounting's), the run completes with the
     reason, and no reply was dropped (every clipped uplink fits the wire spec)."""
-    delta = 1 / REFERENCE_CLIENTS ** 1.1
+    delta = default_delta(REFERENCE_CLIENTS)
     target = (central_epsilon(2, delta) + central_epsilon(3, delta)) / 2
     run, out = private_runs.get({
         **REFERENCE, "method": "feddecomp", "dp.mode": "central", "dp.noise-multiplier": NOISE,
@@ -61,7 +62,12 @@ def test_a_central_dp_run_reports_its_budget_and_stops_before_passing_its_target
                for s in spent)
     assert results["final"]["privacy"] == spent[-1]
     assert all("dropped" not in r for r in results["rounds"])
-    assert f"epsilon {spent[-1]['epsilon']:.3f} at delta" in run.output
+    assert f"epsilon {spent[-1]['epsilon']:.3f} at delta 1e-05 (central DP)" in run.output
+    # once, beside the first epsilon: what it bounds, and where it stands
+    assert run.output.count("[privacy] epsilon ") == 1
+    assert (f"[privacy] epsilon {spent[0]['epsilon']:.3g} at delta 1e-05: changing one client's "
+            "data changes the odds of anything released by at most a factor of e^epsilon"
+            in run.output)
     assert "[round 3/3] not run: dp.target-epsilon=" in run.output
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
@@ -75,7 +81,7 @@ def test_a_budget_stop_after_a_round_evaluate_every_skips_evaluates_that_round(
     """20 rounds at ``evaluate-every = 5`` would evaluate rounds 5 and 10-20; the target stops
     the run after round 3, which is then evaluated (by the clients drawn for it) so that the
     run ends with an accuracy, in one entry for round 3."""
-    delta = 1 / REFERENCE_CLIENTS ** 1.1
+    delta = default_delta(REFERENCE_CLIENTS)
     run, out = private_runs.get({
         **REFERENCE, "method": "fedavg", "dp.mode": "central", "dp.noise-multiplier": NOISE,
         "dp.target-epsilon": (central_epsilon(3, delta) + central_epsilon(4, delta)) / 2,
@@ -93,8 +99,10 @@ def test_a_budget_stop_after_a_round_evaluate_every_skips_evaluates_that_round(
 @pytest.mark.parametrize("method", ["pfedc", "factorized-fl", "fedfac"])
 def test_local_dp_runs_every_method_that_sends_more_than_a_mean(private_runs, method):
     """The methods whose server reads each client's upload (branches, matching vectors,
-    factor-analysis rows) run under local DP: every round's epsilon is the most-drawn
-    client's, and every noised uplink still fits the method's wire spec (no drop)."""
+    factor-analysis rows) run under local DP: every round's epsilon is the most-released
+    client's, every noised uplink still fits the method's wire spec (no drop), and what the
+    clients withheld and noised is what results.json says: no train loss, and by the end
+    each client's 3 updates and its 3 evaluations' noised scores accounted, 6 releases."""
     _, results = private_runs.reference(method, **{"dp.mode": "local",
                                                    "dp.noise-multiplier": LOCAL_NOISE})
     check_results_schema(results, method, num_rounds=REFERENCE["num-server-rounds"],
@@ -103,3 +111,10 @@ def test_local_dp_runs_every_method_that_sends_more_than_a_mean(private_runs, me
     assert epsilons == sorted(epsilons) and epsilons[0] > 0
     assert all(r["privacy"]["clipped_fraction"] is None for r in results["rounds"])
     assert all("dropped" not in r for r in results["rounds"])
+    final = results["final"]["privacy"]
+    assert (final["noised"], final["fixed"], final["exact_evaluation"]) == (
+        ["accuracy", "task_accuracy"], ["num_examples"], [])
+    releases = 2 * REFERENCE["num-server-rounds"]
+    assert final["epsilon"] == pytest.approx(local_epsilon(
+        LOCAL_NOISE / 2, releases, default_delta(REFERENCE_CLIENTS)), rel=1e-9)
+    assert all("loss" not in r["train"] for r in results["rounds"])

@@ -15,11 +15,12 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.config import RunSettings
-from common.protocol import ACTION, CONFIG, EVALUATE_METRICS, IDENTIFY
+from common.protocol import ACTION, CONFIG, IDENTIFY, evaluate_metric_keys
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.evaluation import PendingEvaluation
 from strategies.engine.exchange import Exchange, Messenger
 from strategies.engine.identity import NodeDirectory, wait_for_nodes
+from strategies.engine.privacy import PrivacyLedger
 from strategies.engine.replies import ReplyCheck, stop_if_every_reply_failed
 
 OnIdentified = Callable[[str, dict[str, Any]], None]
@@ -28,7 +29,7 @@ OnIdentified = Callable[[str, dict[str, Any]], None]
 class Admission:
     def __init__(self, settings: RunSettings, nodes: NodeDirectory, messenger: Messenger,
                  replies: ReplyCheck, ledger: RoundLedger, evaluation: PendingEvaluation,
-                 client_identified: OnIdentified) -> None:
+                 client_identified: OnIdentified, privacy: PrivacyLedger) -> None:
         self.settings = settings
         self.nodes = nodes
         self.messenger = messenger
@@ -36,6 +37,7 @@ class Admission:
         self.ledger = ledger
         self.evaluation = evaluation
         self.client_identified = client_identified
+        self.privacy = privacy  # a rejoin's evaluation is a release of its scores
 
     def connected(self, grid: Grid) -> list[int]:
         """The connected nodes, once there are ``min-nodes`` (or ``round-timeout`` passed)."""
@@ -83,8 +85,9 @@ class Admission:
         messages = self.messenger.address(server_round, rejoined, arrays, MessageType.EVALUATE,
                                           server_round - 1)
         valid = self.replies.valid(server_round, "rejoin", self.messenger.send(grid, messages),
-                                   EVALUATE_METRICS)
+                                   evaluate_metric_keys(self.settings.dp_mode))
         self.ledger.client_cpu(server_round, "evaluate", valid)
+        self.privacy.scores_released(valid)
         self.evaluation.record_rejoined(server_round, {r.client_id: float(r.metrics["accuracy"])
                                                        for r in valid})
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -35,20 +36,34 @@ from flwr.serverapp import (
 from flwr.supercore.differential_privacy import compute_adaptive_noise_params
 
 from common.config import ConfigError, RunSettings
-from common.protocol import DP_CLIP_NORM, DP_CLIPPED, NUM_PARTITIONS, ClientReply
+from common.protocol import (
+    DP_CLIP_NORM,
+    DP_CLIPPED,
+    EXACT_EVALUATION,
+    NUM_PARTITIONS,
+    ClientReply,
+)
 from strategies.engine.round_plan import draw_size
 from strategies.privacy import accounted_noise_multiplier, noised_mean, secret_rng
+
+# What results.json says of a local-DP run's figures (strategies/privacy.py: released_metrics):
+# what the clients noised, what they fixed and what they withheld
+LOCAL_RELEASE = {"noised": ["accuracy", "task_accuracy"], "fixed": ["num_examples"],
+                 "withheld": ["train loss", "evaluation loss", "client timings"]}
 
 
 class BudgetSpentError(Exception):
     """The next round would spend more than ``dp.target-epsilon`` (one line: how much)."""
 
 
+# The largest default delta: the chance the guarantee fails outright must be far below one
+# over the number of clients (1 / (10 N)), and small in absolute terms too
+DEFAULT_DELTA = 1e-5
+
+
 def default_delta(population: int) -> float:
-    """``1 / N^1.1``: below one over the number of clients, as a delta must be."""
-    if population < 2:
-        raise ConfigError("dp.delta: with one client the default 1/N^1.1 is 1; set dp.delta")
-    return 1.0 / population ** 1.1
+    """``min(1e-5, 1 / (10 N))`` for ``N`` clients."""
+    return min(DEFAULT_DELTA, 1.0 / (10 * max(population, 1)))
 
 
 class PrivacyLedger:
@@ -59,7 +74,9 @@ class PrivacyLedger:
         self.mode = settings.dp_mode
         self.clip_norm = settings.dp_clip_norm
         self.population = 0  # N, fixed at the first round
-        self.participations: dict[str, int] = {}  # local: client id -> rounds drawn
+        # local: client id -> its releases (updates sent, and evaluations with noised scores)
+        self.participations: dict[str, int] = {}
+        self.exact_evaluation: set[str] = set()  # local: sites that opted in to exact scores
         # central: (clients drawn, as accounted) -> rounds; rounds alike compose in one call
         # (the sampled RDP of one event costs about 1.5 s of CPU, its multiples nothing)
         self.releases: dict[int, int] = {}
@@ -172,19 +189,44 @@ class PrivacyLedger:
         if not self.mode:
             return None
         drawn, eligible = self._drawn
+        note = None
         if self.mode == "local":
             for client in drawn:  # every drawn client sent (or may have sent) an update
                 self.participations[client] = self.participations.get(client, 0) + 1
-            note = {"clip_norm": self.clip_norm, "clipped_fraction": None}
         elif merged:
             sample = self._accounted_sample(len(drawn), eligible)
             self.releases[sample] = self.releases.get(sample, 0) + 1
             note = self._merged
-        else:  # nothing merged: nothing released
-            note = {"clip_norm": self.clip_norm, "clipped_fraction": None}
         self._merged = {}
+        return self.spent(note)
+
+    def spent(self, note: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The ``privacy`` entry of results.json as the releases stand: epsilon at delta, and
+        (``note``) the round's clipping; under local DP what the clients noised, fixed and
+        withheld, and the sites that sent exact scores."""
+        note = note or {"clip_norm": self.clip_norm, "clipped_fraction": None}
+        if self.mode == "local":
+            note = {**note, **LOCAL_RELEASE, "exact_evaluation": sorted(self.exact_evaluation)}
         return {"mode": self.mode, "epsilon": self.epsilon(), "delta": self.delta(),
                 "noise_multiplier": self.settings.dp_noise_multiplier, **note}
+
+    def scores_released(self, replies: Iterable[ClientReply]) -> bool:
+        """Local DP: an evaluation's noised scores are one more release of its client's data
+        under the updates' Gaussian mechanism (``strategies.privacy.released_metrics``), so
+        each counts like an update; scores a site sent exact (its opt-in, flagged
+        ``dp-exact-evaluation``) are not accounted, and the site is named in the privacy
+        entry instead. Returns whether any release was counted."""
+        if self.mode != "local":
+            return False
+        counted = False
+        for reply in replies:
+            if EXACT_EVALUATION in reply.metrics:
+                self.exact_evaluation.add(reply.client_id)
+            else:
+                self.participations[reply.client_id] = (
+                    self.participations.get(reply.client_id, 0) + 1)
+                counted = True
+        return counted
 
     def epsilon(self, draw: tuple[list[str], int] | None = None) -> float:
         """The epsilon spent so far at ``delta()``; with ``draw`` (a round's clients drawn, of
@@ -206,6 +248,7 @@ class PrivacyLedger:
     def state(self) -> dict[str, Any]:
         return {"clip_norm": self.clip_norm, "population": self.population,
                 "participations": self.participations,
+                "exact_evaluation": sorted(self.exact_evaluation),
                 "releases": [[sample, rounds] for sample, rounds in self.releases.items()]}
 
     def restore(self, state: dict[str, Any] | None) -> None:
@@ -214,6 +257,7 @@ class PrivacyLedger:
         self.clip_norm = float(state["clip_norm"])
         self.population = int(state["population"])
         self.participations = {k: int(v) for k, v in state["participations"].items()}
+        self.exact_evaluation = set(state.get("exact_evaluation", []))
         self.releases = {int(sample): int(rounds) for sample, rounds in state["releases"]}
 
 

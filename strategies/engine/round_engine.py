@@ -44,7 +44,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.config import MethodSettingsT, RunSettings
-from common.protocol import EVALUATE_METRICS, ArraySpec, ClientReply
+from common.protocol import ArraySpec, ClientReply, evaluate_metric_keys
 from common.record import RoundRecord
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.admission import Admission
@@ -88,7 +88,8 @@ class RoundEngine(Generic[MethodSettingsT]):
         self.evaluation = PendingEvaluation(settings, self.ledger)
         self.admission = Admission(settings, self.nodes, self.messenger, self.replies,
                                    self.ledger, self.evaluation,
-                                   lambda *args: self.rule.client_identified(*args))
+                                   lambda *args: self.rule.client_identified(*args),
+                                   self.privacy)
         self.rule = rule(RuleContext(settings, wire, self.ledger, self.nodes, self.replies,
                                      self.messenger, self.privacy))
 
@@ -157,6 +158,8 @@ class RoundEngine(Generic[MethodSettingsT]):
             if plan.evaluators:
                 self.evaluation.record_replies(plan.evaluated, replies.evaluations,
                                                replies.fused_evaluations)
+                self.privacy.scores_released([*replies.evaluations,
+                                              *replies.fused_evaluations])
             stop_if_every_reply_failed(f"training of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
             updated = self.merge(server_round, replies.updates, arrays)
@@ -196,10 +199,13 @@ class RoundEngine(Generic[MethodSettingsT]):
                                               MessageType.EVALUATE, server_round)
         batch = self.messenger.send(grid, messages)
         with self.ledger.server_cpu(server_round):
-            valid = self.replies.valid(server_round, "evaluate", batch, EVALUATE_METRICS)
+            valid = self.replies.valid(server_round, "evaluate", batch,
+                                       evaluate_metric_keys(self.settings.dp_mode))
             stop_if_every_reply_failed(f"evaluation of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
             self.evaluation.record_replies(server_round, valid)
+            if self.privacy.scores_released(valid):  # this round's entry: with them
+                self.ledger.report(server_round, "privacy", self.privacy.spent())
         return server_round
 
     # ------------------------------------------------------------------ stages
@@ -258,9 +264,12 @@ class RoundEngine(Generic[MethodSettingsT]):
                 server_round)
             return None
         updated = self.rule.merge_updates(server_round, valid, arrays)
-        total = sum(r.num_examples for r in valid)
-        loss = sum(float(r.metrics["train-loss"]) * r.num_examples for r in valid) / total
-        self.ledger.record(server_round).train = {"loss": loss, "num_clients": len(valid)}
+        train: dict[str, Any] = {"num_clients": len(valid)}
+        if all("train-loss" in r.metrics for r in valid):  # withheld under local DP
+            total = sum(r.num_examples for r in valid)
+            train["loss"] = sum(float(r.metrics["train-loss"]) * r.num_examples
+                                for r in valid) / total
+        self.ledger.record(server_round).train = train
         return updated
 
     def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:

@@ -25,15 +25,16 @@ from common.protocol import (
     EVAL_CPU,
     EVAL_EXAMPLES,
     EVAL_TASK_ACCURACY,
-    EVALUATE_METRICS,
+    EXACT_EVALUATION,
     NUM_EXAMPLES,
     TASK_ACCURACY,
-    TRAIN_METRICS,
     ArraySpec,
     ClientReply,
     ReplyError,
+    evaluate_metric_keys,
     parse_reply,
     require_metrics,
+    train_metric_keys,
 )
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.exchange import Exchange
@@ -115,16 +116,18 @@ def fused_evaluation(reply: ClientReply) -> ClientReply:
         raise ReplyError(f"train reply lacks a valid {EVAL_ACCURACY}/{EVAL_EXAMPLES}")
     task = ({TASK_ACCURACY: float(reply.metrics[EVAL_TASK_ACCURACY])}
             if EVAL_TASK_ACCURACY in reply.metrics else {})
+    exact = ({EXACT_EVALUATION: 1.0} if EXACT_EVALUATION in reply.metrics else {})
     return ClientReply(reply.node_id, reply.client_id, ArrayRecord(), MetricRecord(
-        {NUM_EXAMPLES: examples, "accuracy": accuracy, **task,
+        {NUM_EXAMPLES: examples, "accuracy": accuracy, **task, **exact,
          EVAL_CPU: float(reply.metrics.get(EVAL_CPU, 0.0))}), reply.info)
 
 
-def train_update(reply: ClientReply, expected_arrays: Callable[[ClientReply], ArraySpec]
-                 ) -> ClientReply:
-    """The train update a reply carries: its train metrics present, its arrays checked
+def train_update(reply: ClientReply, expected_arrays: Callable[[ClientReply], ArraySpec],
+                 metric_keys: tuple[str, ...]) -> ClientReply:
+    """The train update a reply carries: its train metrics (``metric_keys``:
+    ``common.protocol.train_metric_keys``) present, its arrays checked
     (``replies.with_checked_arrays``). Raises on the first fault."""
-    require_metrics(reply.metrics, TRAIN_METRICS)
+    require_metrics(reply.metrics, metric_keys)
     return with_checked_arrays(reply, expected_arrays)
 
 
@@ -141,7 +144,8 @@ def read_round(check: ReplyCheck, plan: RoundPlan, batch: Exchange,
     train = parts[MessageType.TRAIN]
     ledger, nodes, settings = check.ledger, check.nodes, check.settings
     evaluations = (check.valid(plan.evaluated, "evaluate", parts[MessageType.EVALUATE],
-                               EVALUATE_METRICS) if plan.evaluating_only() else [])
+                               evaluate_metric_keys(settings.dp_mode))
+                   if plan.evaluating_only() else [])
 
     def drop_jobs(node_id: int, client_id: str, reason: str) -> None:
         ledger.drop(plan.round, "train", node_id, client_id, reason)
@@ -154,7 +158,8 @@ def read_round(check: ReplyCheck, plan: RoundPlan, batch: Exchange,
         envelope = read_or_error(partial(parse_reply, node_id, reply, (),
                                          settings.max_num_examples))
         if isinstance(envelope, ClientReply):
-            update = read_or_error(partial(train_update, envelope, expected_arrays))
+            update = read_or_error(partial(train_update, envelope, expected_arrays,
+                                           train_metric_keys(settings.dp_mode)))
             evaluation = (read_or_error(partial(fused_evaluation, envelope))
                           if node_id in plan.evaluators else None)
             if not isinstance(update, ClientReply) and not isinstance(evaluation, ClientReply):

@@ -68,7 +68,12 @@ class HeldBranches(WireSpec[PFedCSettings]):
     def client_info(self, data: ClientData) -> dict[str, Any]:
         counts = np.bincount(data.y_train, minlength=data.num_classes)
         options = self.settings.method_settings
-        per_task = [float(counts[g].sum()) for g in task_groups(data.num_classes, options.tasks)]
+        groups = task_groups(data.num_classes, options.tasks)
+        if self.settings.dp_mode == "local":
+            # which classes a client holds is its data's: under local DP nothing exact
+            # leaves it, so it claims every task (each branch is averaged over every client)
+            return {TASK_WEIGHTS: [1.0] * len(groups)}
+        per_task = [float(counts[g].sum()) for g in groups]
         if options.weighting == "uniform":
             per_task = [float(c > 0) for c in per_task]
         return {TASK_WEIGHTS: per_task}
