@@ -361,6 +361,9 @@ def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_cl
         x, y = load_local(Path(data_dir), settings.label_column, settings.image_column)
     else:
         x, y = partition_arrays(settings, partition_id, num_partitions, pool)
+        if len(y) == 0:  # where no launcher drew the whole partition first (a plain flwr run)
+            raise ConfigError(f"partitioner: client {partition_id} of {num_partitions} gets no "
+                              "example of the pool; use fewer clients")
     # Split before permuting and shifting, so that permute-labels changes the labels and
     # feature-shift the images, and nothing else: the same examples, in the same order.
     train, test = split_positions(y, settings, partition_id)

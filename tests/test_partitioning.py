@@ -319,3 +319,15 @@ def test_the_whole_partition_is_checked_before_any_client_starts():
                               f"{SMALL_TEST_SPLIT} test examples (the smallest on {min(sizes)})")
     with pytest.raises(ConfigError, match="no draw in 10"):
         check_partition(settings(partitioner="dirichlet", **{"min-partition-size": 17}), 100)
+
+
+def test_a_client_without_an_example_says_so_in_one_line():
+    """Without a launcher's check first (a plain ``flwr run``), a client whose partition is
+    empty (1,000 clients on the 1,797 digits, each at least 0) refuses with one line: every
+    such client the same way, so that the run stops at its preflight with it."""
+    s = settings(partitioner="dirichlet")
+    sizes = [len(partition_indices(digits_pool()[1], s, pid, 1000)) for pid in range(1000)]
+    empty = sizes.index(0)
+    with pytest.raises(ConfigError, match=rf"^partitioner: client {empty} of 1000 gets no "
+                                          "example of the pool; use fewer clients$"):
+        load_client_data(s, empty, 1000)
