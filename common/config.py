@@ -41,6 +41,9 @@ class ConfigError(ValueError):
     """
 
 
+# which part of the pool a run partitions: all of it, or one of two disjoint parts (a
+# comparison's tuning runs on one, its report runs on the other: fldata.partition.pool_part)
+POOL_PARTS = ("", "tuning", "report")
 DATA_CACHE_VALUES = ("", "off")  # all the run config may say: where is the site's choice
 
 
@@ -211,6 +214,8 @@ class RunSettings(KeyGroup, Generic[MethodSettingsT]):
     feature_shift_groups: int = key("feature-shift-groups", low=1, high=4)
     test_fraction: float = key("test-fraction", low=0, high=1, low_open=True)
     validation_fraction: float = key("validation-fraction", low=0, high=0.9)
+    pool_part: str = key("pool-part", choices=POOL_PARTS)
+    tuning_share: float = key("tuning-share", low=0, high=0.9, low_open=True)
     num_classes: int = key("num-classes", low=0)
     input_shape: str = key("input-shape")
     image_column: str = key("image-column")

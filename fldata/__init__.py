@@ -25,6 +25,7 @@ from fldata.partition import (
     label_permutation,
     natural_indices,
     partition_indices,
+    pool_part,
     split_positions,
 )
 from fldata.sources import (
@@ -280,14 +281,35 @@ def partition_arrays(settings: RunSettings, partition_id: int, num_partitions: i
         return synthetic_generator(settings).client(
             settings.seed, partition_id, SyntheticSettings.parse(settings.raw).num_samples)
     if source is None:
+        if settings.pool_part:
+            raise ConfigError(f"pool-part: {settings.dataset} is partitioned as flwr-datasets "
+                              "loads it from the hub, whole; give a local copy's path to cut "
+                              "its pool")
         return _hub_partition(settings, partition_id, num_partitions)
     x_pool, y_pool = _checked_pool(settings, source)
+    keep = _pool_part(settings, y_pool)
+    idx = _client_indices(settings, source, y_pool, keep, partition_id, num_partitions)
+    if keep is not None:
+        idx = keep[idx]
+    return x_pool[idx], y_pool[idx]
+
+
+def _pool_part(settings: RunSettings, y_pool: np.ndarray) -> np.ndarray | None:
+    """Positions of the run's ``pool-part`` in the pool (None: the whole pool)."""
+    return (pool_part(y_pool, settings.pool_part, settings.tuning_share)
+            if settings.pool_part else None)
+
+
+def _client_indices(settings: RunSettings, source: str, y_pool: np.ndarray,
+                    keep: np.ndarray | None, partition_id: int, num_partitions: int
+                    ) -> np.ndarray:
+    """Client ``partition_id``'s positions in the pool's part ``keep`` (None: the pool)."""
     if settings.partitioner == "natural":
         ids = _natural_ids(source, json.dumps(fingerprint(source)), settings.partition_column)
-        idx = natural_indices(ids, settings.partition_column, partition_id, num_partitions)
-    else:
-        idx = partition_indices(y_pool, settings, partition_id, num_partitions)
-    return x_pool[idx], y_pool[idx]
+        return natural_indices(ids if keep is None else ids[keep], settings.partition_column,
+                               partition_id, num_partitions)
+    return partition_indices(y_pool if keep is None else y_pool[keep], settings, partition_id,
+                             num_partitions)
 
 
 @lru_cache(maxsize=2)
@@ -345,14 +367,11 @@ def check_partition(settings: RunSettings, num_partitions: int) -> str | None:
     if settings.dataset == "synthetic-fedfac" or source is None:
         return None
     _, y_pool = _checked_pool(settings, source)
-    if settings.partitioner == "natural":
-        ids = _natural_ids(source, json.dumps(fingerprint(source)), settings.partition_column)
-        parts = [natural_indices(ids, settings.partition_column, pid, num_partitions)
-                 for pid in range(num_partitions)]
-    else:
-        parts = [partition_indices(y_pool, settings, pid, num_partitions)
-                 for pid in range(num_partitions)]
-    return check_split_sizes([y_pool[idx] for idx in parts], settings)
+    keep = _pool_part(settings, y_pool)
+    y_part = y_pool if keep is None else y_pool[keep]
+    return check_split_sizes([y_part[_client_indices(settings, source, y_pool, keep, pid,
+                                                     num_partitions)]
+                              for pid in range(num_partitions)], settings)
 
 
 def _split(settings: RunSettings, partition_id: int, num_partitions: int, num_classes: int,

@@ -46,7 +46,7 @@ DATA_KEYS = ("dataset", "data-dir", "data-root", "partitioner", "partition-colum
              "dirichlet-alpha", "min-partition-size", "classes-per-client", "domain-groups",
              "seed", "test-fraction", "validation-fraction", "permute-labels", "feature-shift",
              "feature-shift-groups", "num-classes", "input-shape", "label-column",
-             "image-column")
+             "image-column", "pool-part", "tuning-share")
 
 
 def default_cache_dir(state_dir: str | None) -> Path:

@@ -177,6 +177,24 @@ def feature_shift(x: np.ndarray, shift: str, groups: int, partition_id: int) -> 
 
 TEST_STREAM = 104729        # the random streams of a client's two splits: independent
 VALIDATION_STREAM = 130363
+POOL_PART_SEED = 611953     # the pool's tuning/report cut: one for every run seed
+
+
+def pool_part(labels: np.ndarray, part: str, tuning_share: float) -> np.ndarray:
+    """Positions in the pool of ``part`` (``pool-part``): ``""`` all of it; ``"tuning"``,
+    per class, ``round(tuning_share * n)`` examples drawn with a fixed seed (the same for
+    every run seed, so that the cut is one), and ``"report"`` the rest. A comparison tunes on
+    one part and reports on the other: no image a configuration was chosen on is in any
+    report seed's split."""
+    if not part:
+        return np.arange(len(labels))
+    rng = np.random.default_rng(POOL_PART_SEED)
+    tuning = np.concatenate([
+        (members := rng.permutation(np.flatnonzero(labels == label)))[
+            :round(tuning_share * len(members))] for label in np.unique(labels)])
+    chosen = np.zeros(len(labels), dtype=bool)
+    chosen[tuning] = True
+    return np.flatnonzero(chosen if part == "tuning" else ~chosen)
 
 
 def train_test_split(labels: np.ndarray, test_fraction: float, seed: int,

@@ -41,7 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError
+from common.config import ConfigError, RunSettings
 from comparison.report import (
     UNITS,
     run_text,
@@ -58,6 +58,7 @@ from comparison.stats import (
     run_figures,
     run_window,
 )
+from fldata import pool_source
 from launch.app_project import app_defaults
 from launch.federation import FlowerRun, LocalFederation, warm_federation
 from launch.run_config import check_run_config, parse_overrides
@@ -75,6 +76,10 @@ class Row:
     grid: list[dict[str, Any]]  # overrides per configuration (one: nothing to tune)
 
 
+# what every row of a comparison shares: its training budget
+EQUAL_BUDGET = {"num-server-rounds", "local-epochs"}
+
+
 def parse_row(entry: str, defaults: dict[str, Any], lr_grid: Sequence[float]) -> Row:
     """``METHOD[@TAG][:key=value;key=a|b]`` -> its row; ``lr_grid`` unless it sets ``lr``."""
     label, _, extra = entry.partition(":")
@@ -87,6 +92,10 @@ def parse_row(entry: str, defaults: dict[str, Any], lr_grid: Sequence[float]) ->
                               "fedprox.mu=0.01|0.1")
         axes[name] = [parse_overrides([f"{name}={v}"], defaults)[name]
                       for v in values.split("|")]
+    for budget in EQUAL_BUDGET & set(axes):
+        raise ConfigError(f"{entry!r}: {budget} is the same for every row (rows compared with "
+                          f"each other train the same rounds and local epochs): set it as "
+                          f"the command's {budget}=N")
     if lr_grid and "lr" not in axes:
         axes["lr"] = list(lr_grid)
     grid = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
@@ -107,12 +116,21 @@ class Comparison:
         self.store = RunStore(app_defaults(app), REGISTRY, self._run, prefix="[compare] ",
                               describe=run_text)
         self.run_lengths: set[int] = set()  # the runs' num-server-rounds (``check``)
+        # the pool is cut in a tuning and a report part where it is read here whole (a local
+        # path, digits, a local copy); a hub dataset or the synthetic generator is not
+        settings = RunSettings.from_run_config({**app_defaults(app), **base})
+        self.pool_parts = (settings.dataset != "synthetic-fedfac"
+                           and pool_source(settings) is not None)
 
     def run_config(self, row: Row, stage: str, config: dict[str, Any], seed: int
                    ) -> dict[str, Any]:
-        """A report run's config; a tuning run's is scored on validation splits instead."""
+        """A report run's config; a tuning run's is scored on validation splits instead, of
+        the pool's tuning part where the pool can be cut (``pool_parts``): a report run then
+        partitions the rest, so that no image a configuration was chosen on is in a report
+        seed's split."""
+        parts = {"pool-part": "tuning" if stage == "tune" else "report"} if self.pool_parts else {}
         tuning = {"validation-fraction": self.validation_fraction} if stage == "tune" else {}
-        return {**self.base, **config, **tuning, "method": row.method, "seed": seed,
+        return {**self.base, **config, **tuning, **parts, "method": row.method, "seed": seed,
                 "plot": False}
 
     def check(self, rows: Sequence[Row], seeds: Sequence[int]) -> None:

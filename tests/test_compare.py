@@ -30,9 +30,9 @@ ARGS = ["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1,2", "--supernodes
 
 def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():
     defaults = app_defaults(ROOT)
-    row = parse_row("fedprox@strong:fedprox.mu=0.1|1;local-epochs=3", defaults, [0.01, 0.05])
+    row = parse_row("fedprox@strong:fedprox.mu=0.1|1;momentum=0.5", defaults, [0.01, 0.05])
     assert (row.label, row.method) == ("fedprox@strong", "fedprox")
-    assert row.grid == [{"fedprox.mu": mu, "local-epochs": 3, "lr": lr}
+    assert row.grid == [{"fedprox.mu": mu, "momentum": 0.5, "lr": lr}
                         for mu in (0.1, 1.0) for lr in (0.01, 0.05)]
     # fedfac.layers is a string key: "0,1" stays the word the user wrote
     assert parse_row("fedfac:fedfac.layers=3|0", defaults, []).grid == [
@@ -56,6 +56,9 @@ def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():
     (["--methods", "fedavg", "--supernodes", "0"], "--supernodes: at least 1"),
     (["--methods", "fedavg", "--validation-fraction", "0.95"], "0.95 is out of range"),
     (["--methods", "fedavg", "--validation-fraction", "0"], "0.0 is out of range"),
+    # rows compared with each other train the same rounds and local epochs
+    (["--methods", "fedavg,fedper:local-epochs=3"], "local-epochs is the same for every row"),
+    (["--methods", "fedavg:num-server-rounds=5|10"], "num-server-rounds is the same for every"),
     # the split drawn for every seed before any run: 1,797 digits over 1,000 clients (at
     # least 0 each: min-partition-size is capped at half an even share)
     (["--methods", "fedavg", "--seeds", "1,2", "--supernodes", "1000"],

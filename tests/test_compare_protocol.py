@@ -174,3 +174,43 @@ def test_seeds_are_distinct_integers():
     for text in ("1,1", "", "a"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"integers|distinct seeds"):
             seed_list(text)
+
+
+def test_tuning_runs_and_report_runs_partition_disjoint_parts_of_the_pool(tmp_path):
+    """A comparison tunes on the pool's tuning part and reports on the rest: no example a
+    tuning run is scored on (its clients' validation splits) or trains on is in any report
+    seed's split, whatever the seeds. Each example of this pool is its own number."""
+    import numpy as np
+
+    from fldata import load_client_data
+    from launch.app_project import app_defaults
+    from launch.compare import Comparison, parse_row
+    from launch.federation import LocalFederation
+    from strategies.registry import load_settings
+    from tests.conftest import ROOT
+
+    pool = tmp_path / "pool.npz"
+    np.savez(pool, x=np.arange(1200, dtype=np.float32).reshape(1200, 1), y=np.arange(1200) % 10)
+    comparison = Comparison(None, ROOT, {"dataset": str(pool), "model": "mlp"}, tmp_path,
+                            LocalFederation.federation_config(4, 1, 0.0), 60, 0.2)
+    row = parse_row("fedavg", app_defaults(ROOT), [])
+
+    def examples(stage: str, seed: int) -> tuple[set[float], set[float]]:
+        settings = load_settings({**app_defaults(ROOT),
+                                  **comparison.run_config(row, stage, {}, seed)})
+        train, scored = set(), set()
+        for pid in range(4):
+            data = load_client_data(settings, pid, 4)
+            train |= set(data.x_train.ravel().tolist())
+            scored |= set(data.x_test.ravel().tolist())
+        return train, scored
+
+    tuned = examples("tune", 0)
+    reports = [examples("report", seed) for seed in (1, 2, 3)]
+    assert tuned[1] and all(report[1] for report in reports)
+    for report in reports:
+        assert not (tuned[0] | tuned[1]) & (report[0] | report[1])
+    # a fifth of the pool tunes (tuning-share; a tuning run reads its clients' training
+    # shares, 80% of it: their test splits are never loaded), the rest reports
+    assert len(tuned[0] | tuned[1]) == 192
+    assert len(reports[0][0] | reports[0][1]) == 960
