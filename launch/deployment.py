@@ -83,8 +83,9 @@ class LocalDeployment(LocalFederation):
     ``flwr-serverapp`` are forked warm from it (in a site's namespace, with ``namespaces``).
     ``supernode``: the command a site runs, ``flower-supernode`` or ``pflower-supernode``
     (each site with a fork server of its own, as on a real device: ``launch/site.py``).
-    ``database``: the SuperLink's SQLite file in ``home``, as the README's recipe and the
-    compose file keep theirs (the benchmarks measure that); None: Flower's in-memory state,
+    ``database``: the SuperLink's SQLite file in ``home``, as the loopback recipe
+    (docs/deployment.md) and the compose file keep theirs (the benchmarks measure that);
+    None: Flower's in-memory state,
     which serves the same runs for a third of the SuperLink's CPU (the tests).
     ``node_configs[site]``: more of the site's ``--node-config``, after its own keys (e.g.
     its privacy floor, ``"dp-min-noise-multiplier=1.0"``: ``client_app/site_floor.py``)."""

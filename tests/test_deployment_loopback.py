@@ -2,7 +2,7 @@
 processes, each with its own port, node config and state dir; in their own network namespaces
 where the machine allows, else on loopback), insecure and with TLS plus SuperNode
 authentication, a killed and restarted SuperNode, a node claiming another's id, a stopped and
-resumed run, and the README's recipe."""
+resumed run, and the loopback recipe of docs/deployment.md."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"method": "fedper", "num-server-rounds": 2, "local-epochs": 1, "min-nodes": 3,
           "plot": False, "round-timeout": 120.0}
 # The deployments below keep the SuperLink's state in memory (``database=None``): none
-# restarts its SuperLink, and SQLite costs it three times the CPU. The README's recipe, run
+# restarts its SuperLink, and SQLite costs it three times the CPU. The loopback recipe, run
 # as written at the end, keeps its database file, as compose does.
 
 
@@ -196,14 +196,15 @@ def test_without_authentication_a_second_live_node_cannot_take_an_id(tmp_path, f
     assert all("client id site-0 is held by live node" in d["reason"] for d in claims)
 
 
-def readme_recipe() -> str:
-    """The bash block under ``<!-- loopback-recipe -->`` in the README, as it stands there."""
-    text = (ROOT / "README.md").read_text().split("<!-- loopback-recipe -->", 1)[1]
+def loopback_recipe() -> str:
+    """The bash block under ``<!-- loopback-recipe -->`` in docs/deployment.md ("On one
+    machine, without Docker"), as it stands there."""
+    text = (ROOT / "docs" / "deployment.md").read_text().split("<!-- loopback-recipe -->", 1)[1]
     return text.split("```bash\n", 1)[1].split("\n```", 1)[0]
 
 
-def test_the_readme_loopback_recipe_runs_as_written(tmp_path, forkserver):
-    """The README's deployment without Docker, pasted into bash in a copy of the app, with
+def test_the_loopback_recipe_runs_as_written(tmp_path, forkserver):
+    """The deployment page's recipe without Docker, pasted into bash in a copy of the app, with
     ``SITES=2`` (its default is 3; two show the same): every site trains and evaluates every
     round, results land where it says, and its last line, ``kill $PIDS``, leaves nothing of
     the deployment behind within 5 s: no process (the SuperLink, the SuperNodes, the
@@ -221,7 +222,7 @@ def test_the_readme_loopback_recipe_runs_as_written(tmp_path, forkserver):
     try:
         with log.open("w") as out:
             process = subprocess.Popen(
-                ["bash", "-c", readme_recipe()], cwd=app_dir, text=True, stdout=out,
+                ["bash", "-c", loopback_recipe()], cwd=app_dir, text=True, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, **warm, "PORT": str(free_port()), "SITES": "2",
                      "PATH": os.pathsep.join([warm["PATH"], str(Path(sys.executable).parent),

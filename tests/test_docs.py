@@ -1,6 +1,7 @@
-"""The documentation as a map: the README stays short, and every relative link in it, in
-docs/ and in bench/README.md leads somewhere (a file or folder, and a heading when the link
-names an anchor)."""
+"""The documentation as a map: the README stays short (lines and characters), the loopback
+recipe lives on the deployment page, and every relative link in the README, in docs/ and in
+bench/README.md leads somewhere (a file or folder, and a heading when the link names an
+anchor)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README_MAX_LINES = 250
+README_MAX_LINES = 180
+README_MAX_LINE_CHARS = 200
 PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md",
                 *(ROOT / "docs").rglob("*.md")])
 
@@ -82,9 +84,23 @@ def broken_links(page: Path) -> list[str]:
     return broken
 
 
-def test_the_readme_is_a_map_of_at_most_250_lines():
+def test_the_readme_is_a_map_of_at_most_180_lines_of_at_most_200_characters():
+    """Detail goes to the page a section links, not into ever-longer lines."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+    long = [f"line {n}: {len(line)} characters" for n, line in enumerate(lines, 1)
+            if len(line) > README_MAX_LINE_CHARS]
+    assert long == [], long
+
+
+def test_the_loopback_recipe_is_on_the_deployment_page():
+    """``tests/test_deployment_loopback.py`` runs the bash block under the marker in
+    docs/deployment.md; the marker is there once, right above that block, and nowhere else."""
+    marker = "<!-- loopback-recipe -->"
+    page = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
+    assert page.count(marker) == 1
+    assert page.split(marker, 1)[1].startswith("\n```bash\n")
+    assert marker not in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_the_pages_are_all_there():
