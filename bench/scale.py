@@ -12,7 +12,7 @@
 
 Per run: median seconds per round (rounds 2..), the peak resident memory of the process that
 runs the ServerApp (``flwr-simulation``) and of the largest Ray worker, sampled every 0.5 s,
-and the server's per-client state: the bytes of the strategy's checkpointed per-client tables
+and the server's per-client state: the bytes of its checkpointed per-client tables
 (every dict keyed by client id in its checkpoint, stored as the checkpoint stores them)
 divided by the number of clients they cover. Writes ``bench/results/scale-<parts>.md`` and
 ``.json``.
@@ -88,12 +88,15 @@ def fashion_pool(path: Path) -> Path:
 
 
 def per_client_state(out: Path) -> tuple[int, int]:
-    """(bytes of the strategy's per-client tables as the checkpoint stores them, number of
+    """(bytes of the server's per-client tables as the checkpoint stores them, number of
     clients in them)."""
-    strategy = load_tree(out / CHECKPOINT)["strategy"]
-    clients = set(strategy["last_seen"])  # every client id the server has heard from
+    checkpoint = load_tree(out / CHECKPOINT)
+    clients = set(checkpoint["nodes"]["last_seen"])  # every client id the server has heard from
+    state = {"last_seen": checkpoint["nodes"]["last_seen"],
+             "per_client_accuracy": checkpoint["evaluation"]["per_client_accuracy"],
+             "example_counts": checkpoint["example_counts"], **checkpoint["rule"]}
     # the tables keyed by client id (not, e.g., FedFac's split, keyed by layer)
-    tables = {k: v for k, v in strategy.items()
+    tables = {k: v for k, v in state.items()
               if isinstance(v, dict) and v and set(v) <= clients}
     stored = out / "per-client-tables.npz"
     save_tree(stored, tables)

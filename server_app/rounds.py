@@ -2,15 +2,18 @@
 
 Flower's ``Strategy.start`` always begins at round 1; resuming needs the true round numbers
 (clients seed their training with them), so the ServerApp runs the loop itself: the
-engine's ``plan_round`` and ``train_round`` (then ``evaluate_round``, unless the next round's
-exchange carries the evaluation), then results.json and the checkpoint.
+engine's ``plan_round`` and ``run_round`` (which, as the run's protocol has it, carries the
+last round's evaluation in this round's exchange or sends an evaluate exchange after it),
+then results.json and the checkpoint.
 
 The checkpoint (``<output-dir>/checkpoint.npz``, written with ``common.durable.save_tree``:
 arrays and JSON only, ``fsync``ed, atomic) holds the round number, the method and the run
 config it was made with, the ids of the runs it continues (its lineage: a resumed run's
 clients accept personal state saved by those runs, up to the checkpoint's round), the shared
-arrays, the engine's snapshot (``RoundEngine.snapshot``: the method's per-client tables, the
-evaluation drawn and not yet asked, the sampler's state) and the rounds of results.json.
+arrays, the engine's snapshot (``RoundEngine.snapshot``, a key per collaborator: the node
+directory's, the evaluation's (every client's latest accuracy, the evaluation drawn and not
+yet asked), the pinned example counts, the method rule's own record under ``rule``, the
+privacy spent, the sampler's state) and the rounds of results.json.
 Loading it runs no code. A resume whose run
 config differs from the checkpoint's in a key outside ``RESUMABLE_KEYS`` is refused with one
 line naming the keys.
@@ -99,7 +102,6 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
     is complete: after its evaluate exchange, or (fused evaluation) after the next round's
     exchange, which carried its evaluation; a round ``evaluate-every`` does not evaluate,
     once it trained."""
-    fused = engine.settings.fused_evaluation
     recorder.start()  # starts the round clock, writes results.json
     stopped = ""
     for server_round in range(first_round, last_round + 1):
@@ -116,12 +118,10 @@ def run_rounds(grid: Grid, engine: RoundEngine, recorder: ResultsRecorder,
         evaluating = ("" if plan.evaluated is None
                       else f", evaluating round {plan.evaluated}")
         log(INFO, "[round %d/%d] training%s", server_round, last_round, evaluating)
-        outcome = engine.train_round(grid, plan, arrays)
+        outcome = engine.run_round(grid, plan, arrays)
         if outcome.arrays is not None:
             arrays = outcome.arrays
-        completed = (outcome.completed if fused
-                     else (engine.evaluate_round(grid, server_round, arrays),))
-        for done in completed:
+        for done in outcome.completed:
             recorder.on_round(done)
         save_checkpoint(recorder.out_dir / CHECKPOINT, server_round, arrays, engine,
                         recorder, run_ids)

@@ -34,9 +34,8 @@ def test_adaptive_clipping_counts_a_missing_client_as_the_zero_update_the_mean_c
                       "dp.noise-multiplier": 1.0, "dp.clipped-count-stddev": 5.0})
     start = arrays(np.random.default_rng(7), 1.0)
     ledger = population(PrivacyLedger(run, rng=NoNoise()), 8)
-    ledger.round_drawn(["0", "1", "2", "3"], 8)
     ledger.merge([reply("0", start, 1.0), reply("1", start, 0.0)], list(SHAPES),
-                 record(start))
+                 record(start), drawn=4)
     assert ledger.clip_norm == pytest.approx(math.exp(-run.dp_clip_lr * 0.25), rel=1e-12)
 
 
@@ -56,8 +55,7 @@ def test_adaptive_clipping_follows_the_target_quantile_and_bounds_every_update()
         for i, length in enumerate(np.linspace(0.5, 4.5, 9)):
             replies.append(reply(str(i), along(rng, start, length),
                                  float(length > clip_norm)))  # the client did not clip
-        ledger.round_drawn([str(i) for i in range(9)], 9)
-        merged = ledger.merge(replies, list(SHAPES), record(start))
+        merged, _ = ledger.merge(replies, list(SHAPES), record(start), drawn=9)
         mean_update = {k: merged[k].numpy().astype(np.float64) - start[k] for k in SHAPES}
         assert norm(mean_update) <= clip_norm * (1 + 1e-5)  # a mean of clipped updates
         norms.append(clip_norm)
@@ -81,9 +79,8 @@ def test_the_noise_multiplier_is_split_between_the_count_and_the_updates_at_the_
 
     def one_round(values: dict[str, np.ndarray]) -> tuple[float, np.ndarray]:
         clip_norm = ledger.message_config()[DP_CLIP_NORM]
-        ledger.round_drawn([str(i) for i in range(n)], n)
-        merged = ledger.merge([reply(str(i), values, 0.0) for i in range(n)], list(values),
-                              record(values))
+        merged, _ = ledger.merge([reply(str(i), values, 0.0) for i in range(n)],
+                                 list(values), record(values), drawn=n)
         # log(C' / C) = -clip-lr * ((n - clipped + noise) / n - q), nothing clipped here
         count_noise.append(-math.log(ledger.clip_norm / clip_norm) / run.dp_clip_lr * n
                            - n + run.dp_target_quantile * n)

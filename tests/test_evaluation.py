@@ -47,7 +47,7 @@ def test_only_a_rejoined_clients_first_score_goes_to_rejoined():
     """A client back on a new node: its first accuracy shows whether its personal state
     came back; later rounds are ordinary."""
     pending, ledger = _pending()
-    pending.rejoined_at_evaluate.add("2")
+    pending.expect_rejoined(["2"])
     pending.record(4, {"2": (0.6, 10), "3": (0.9, 10)})
     pending.record(5, {"2": (0.7, 10)})
     assert ledger.record(4).extra["rejoined"] == {"2": 0.6}

@@ -10,7 +10,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 from common.protocol import ClientReply
-from strategies.engine import MethodRule, RoundEngine
+from strategies.engine import MethodRule, RoundEngine, RuleContext
+from strategies.engine.robust import combine
 from strategies.fedfac.server import (
     FedFacRule,
     factor_count,
@@ -115,7 +116,7 @@ def _start(rule: MethodRule) -> ArrayRecord:
     return initial_state(rule.settings).arrays
 
 
-def _mlp_strategy(**overrides) -> FedFacRule:
+def _mlp_rule(**overrides) -> FedFacRule:
     """FedFac on a 60-input, 16-unit MLP layer (``body.1``)."""
     settings = load_settings(app_config(**{
         "method": "fedfac", "dataset": "synthetic-fedfac", "model": "mlp", "mlp-hidden": 16,
@@ -135,15 +136,15 @@ def _replies_around(arrays: ArrayRecord, layer_weights: list[np.ndarray]) -> lis
     return replies
 
 
-def _split_after_correlated_updates(strategy: FedFacRule, arrays: ArrayRecord,
+def _split_after_correlated_updates(rule: FedFacRule, arrays: ArrayRecord,
                                     server_round: int = 1) -> np.ndarray:
     """``body.1``'s split after a round whose 8 clients moved from ``arrays`` by small updates
     whose first 6 elements follow common factors."""
     start = arrays["body.1.weight"].numpy()
     updates = [0.01 * start.std() * d for d in _sampled_weights(8, 60)]
-    strategy.merge_updates(server_round, _replies_around(arrays, [start + d for d in updates]),
-                              arrays)
-    return strategy.split["body.1"]
+    rule.merge_updates(server_round, _replies_around(arrays, [start + d for d in updates]),
+                       arrays)
+    return rule.split["body.1"]
 
 
 @pytest.mark.parametrize("analysis", ["updates", "weights"])
@@ -152,9 +153,9 @@ def test_split_from_updates_finds_the_shared_elements_weights_find_the_initialis
     """Clients start from one initialisation ``W0`` and move by small updates whose first 6
     elements follow common factors. On updates (default) the split finds those 6; on weights
     it is the split of ``W0`` alone, whatever the updates are."""
-    strategy = _mlp_strategy(**({} if analysis == "updates" else {"fedfac.analysis": analysis}))
-    arrays = _start(strategy)
-    split = _split_after_correlated_updates(strategy, arrays)
+    rule = _mlp_rule(**({} if analysis == "updates" else {"fedfac.analysis": analysis}))
+    arrays = _start(rule)
+    split = _split_after_correlated_updates(rule, arrays)
     of_start = shared_elements([arrays["body.1.weight"].numpy()] * 8, 0.25, 10 / 16)[0]
     if analysis == "updates":
         assert set(np.flatnonzero(split)) == set(range(6))
@@ -168,8 +169,8 @@ def test_random_reference_split_has_the_estimates_size_and_is_seeded():
     shared elements as the estimate finds (6 of 16 here), drawn at random, the same for the
     same seed and round."""
     def split_of(**overrides) -> np.ndarray:
-        strategy = _mlp_strategy(**overrides)
-        return _split_after_correlated_updates(strategy, _start(strategy))
+        rule = _mlp_rule(**overrides)
+        return _split_after_correlated_updates(rule, _start(rule))
 
     estimated = split_of()
     random_splits = [split_of(**{"fedfac.split": "random", "seed": seed}) for seed in (0, 0, 1)]
@@ -180,43 +181,40 @@ def test_random_reference_split_has_the_estimates_size_and_is_seeded():
 
 
 def test_warmup_rounds_are_fedavg_then_the_split_comes_from_that_rounds_updates():
-    strategy = _mlp_strategy(**{"fedfac.warmup-rounds": 2})
-    arrays = _start(strategy)
+    rule = _mlp_rule(**{"fedfac.warmup-rounds": 2})
+    arrays = _start(rule)
     rng = np.random.default_rng(3)
     for server_round in (1, 2):
-        strategy.start_round(server_round)
         replies = _replies_around(arrays, [arrays["body.1.weight"].numpy() + rng.normal(
             size=(16, 60)) for _ in range(4)])
-        assert strategy.uplink_rows() is None
-        new = strategy.merge_updates(server_round, replies, arrays)
-        assert strategy.split is None and strategy.downlink(server_round, "0", new) is new
+        assert rule.uplink_rows() is None
+        new = rule.merge_updates(server_round, replies, arrays)
+        assert rule.split is None and rule.downlink(server_round, "0", new) is new
         total = sum(r.num_examples for r in replies)
         np.testing.assert_allclose(new["body.1.weight"].numpy(), sum(
             r.arrays["body.1.weight"].numpy() * r.num_examples / total for r in replies),
             rtol=1e-5, atol=1e-6)
         arrays = new
-    strategy.start_round(3)
-    split = _split_after_correlated_updates(strategy, arrays, server_round=3)
+    split = _split_after_correlated_updates(rule, arrays, server_round=3)
     assert set(np.flatnonzero(split)) == set(range(6))
 
 
-def _round(strategy: FedFacRule, arrays: ArrayRecord, server_round: int,
+def _round(rule: FedFacRule, arrays: ArrayRecord, server_round: int,
            shared_first: int) -> ArrayRecord:
     """One round whose 8 clients moved from ``arrays`` by small updates whose elements
     ``shared_first .. shared_first + 5`` follow common factors; each client sends what a
     client of that round sends: whole rows, or only the shared rows where the server asks for
     a sliced uplink."""
-    strategy.start_round(server_round)
     start = arrays["body.1.weight"].numpy()
     updates = [np.roll(0.01 * start.std() * d, shared_first, axis=0)
                for d in _sampled_weights(8, 60)]
     replies = _replies_around(arrays, [start + d for d in updates])
-    masks = strategy.uplink_rows()
+    masks = rule.uplink_rows()
     if masks is not None:
         for reply in replies:
-            for key, layer in strategy.wire.layer_of_key.items():
+            for key, layer in rule.wire.layer_of_key.items():
                 reply.arrays[key] = Array(reply.arrays[key].numpy()[masks[layer]])
-    return strategy.merge_updates(server_round, replies, arrays)
+    return rule.merge_updates(server_round, replies, arrays)
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
@@ -224,17 +222,16 @@ def test_static_splits_once_and_slices_its_uplink_dynamic_splits_every_round(mod
     """Round 1's clients share elements 0-5, round 2's elements 10-15. Static keeps round
     1's split and from round 2 on asks only for the shared rows (personal rows never leave a
     client); dynamic splits again on round 2's whole rows."""
-    strategy = _mlp_strategy(**{"fedfac.mode": mode})
-    arrays = _round(strategy, _start(strategy), 1, shared_first=0)
-    first = strategy.split["body.1"].copy()
+    rule = _mlp_rule(**{"fedfac.mode": mode})
+    arrays = _round(rule, _start(rule), 1, shared_first=0)
+    first = rule.split["body.1"].copy()
     assert set(np.flatnonzero(first)) == set(range(6))
-    strategy.start_round(2)
     if mode == "static":
-        np.testing.assert_array_equal(strategy.uplink_rows()["body.1"], first)
+        np.testing.assert_array_equal(rule.uplink_rows()["body.1"], first)
     else:
-        assert strategy.uplink_rows() is None
-    _round(strategy, arrays, 2, shared_first=10)
-    second = set(np.flatnonzero(strategy.split["body.1"]))
+        assert rule.uplink_rows() is None
+    _round(rule, arrays, 2, shared_first=10)
+    second = set(np.flatnonzero(rule.split["body.1"]))
     assert second == (set(range(6)) if mode == "static" else set(range(10, 16)))
 
 
@@ -243,11 +240,39 @@ def test_server_lr_moves_the_shared_part_that_fraction_of_the_way_to_the_mean():
     in FedAvg warm-up rounds, where everything is shared)."""
     moved = {}
     for server_lr in (1.0, 0.5):
-        strategy = _mlp_strategy(**{"fedfac.warmup-rounds": 1, "fedfac.server-lr": server_lr})
-        arrays = _start(strategy)
-        moved[server_lr] = _round(strategy, arrays, 1, shared_first=0)
+        rule = _mlp_rule(**{"fedfac.warmup-rounds": 1, "fedfac.server-lr": server_lr})
+        arrays = _start(rule)
+        moved[server_lr] = _round(rule, arrays, 1, shared_first=0)
     start = arrays["body.1.weight"].numpy()
     np.testing.assert_allclose(moved[0.5]["body.1.weight"].numpy() - start,
                                0.5 * (moved[1.0]["body.1.weight"].numpy() - start),
                                rtol=1e-4, atol=1e-7)
     assert not np.allclose(moved[1.0]["body.1.weight"].numpy(), start)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "median"])
+def test_fedfac_merges_its_shared_rows_through_the_rule_context(monkeypatch, aggregation):
+    """As every method's, FedFac's merge is ``RuleContext.aggregate`` (the run's
+    ``aggregation.*`` rule, and under central DP the privacy ledger), of the shared rows in
+    float64: bit for bit the mean it took from ``combine`` before, so its runs reproduce."""
+    calls = []
+    aggregate = RuleContext.aggregate
+
+    def spy(self, replies, keys, reference, uniform=False, dtype=None):
+        calls.append((list(keys), dtype))
+        return aggregate(self, replies, keys, reference, uniform, dtype)
+
+    monkeypatch.setattr(RuleContext, "aggregate", spy)
+    rule = _mlp_rule(**{"fedfac.warmup-rounds": 1, "aggregation.rule": aggregation})
+    arrays = _start(rule)
+    start = arrays["body.1.weight"].numpy()
+    replies = _replies_around(arrays, [start + 0.01 * d for d in _sampled_weights(8, 60)])
+    merged = rule.merge_updates(1, replies, arrays)  # a warm-up round: everything shared
+    assert calls == [(list(arrays), np.float64)]
+    mean = combine([{k: r.arrays[k].numpy() for k in arrays} for r in replies],
+                   [r.num_examples for r in replies],
+                   {k: v.numpy() for k, v in arrays.items()}, rule.settings)
+    for key, value in arrays.items():
+        old = value.numpy().astype(np.float64)
+        expected = (old + 1.0 * (mean[key] - old)).astype(value.numpy().dtype)
+        assert np.array_equal(merged[key].numpy(), expected), key

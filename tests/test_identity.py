@@ -13,17 +13,17 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from common.protocol import CLIENT, CONFIG
 from strategies.engine.exchange import Exchange
 from strategies.engine.identity import NodeDirectory, wait_for_nodes
-from tests.test_trust import _strategy
+from tests.test_trust import _engine
 
 pytestmark = pytest.mark.usefixtures("server_task")
 
 
-def _claims(strategy, nodes: dict[int, str], names: dict[int, str] | None = None,
+def _claims(engine, nodes: dict[int, str], names: dict[int, str] | None = None,
             server_round: int = 1) -> list[str]:
     """Identify replies of ``nodes`` (node -> claimed id), through the validation path; the
     client ids accepted."""
-    strategy.nodes.observe([SimpleNamespace(node_id=n, name=(names or {}).get(n, ""))
-                            for n in {*(strategy.nodes.live or ()), *nodes}])
+    engine.nodes.observe([SimpleNamespace(node_id=n, name=(names or {}).get(n, ""))
+                          for n in {*(engine.nodes.live or ()), *nodes}])
     sent, replies = [], []
     for node, client_id in nodes.items():
         message = Message(RecordDict({CONFIG: ConfigRecord({"action": "identify"})}),
@@ -33,95 +33,95 @@ def _claims(strategy, nodes: dict[int, str], names: dict[int, str] | None = None
             reply_to=message)
         sent.append(message)
         replies.append((node, reply))
-    return [r.client_id for r in strategy.replies.valid(
+    return [r.client_id for r in engine.replies.valid(
         server_round, "identify", Exchange(sent, replies), None)]
 
 
 def test_a_registered_node_speaks_only_for_its_name_or_its_mapped_ids():
-    strategy, _ = _strategy(**{"identity.node-owners": "gateway=site-7, gateway=site-8"})
+    engine, _ = _engine(**{"identity.node-owners": "gateway=site-7, gateway=site-8"})
     names = {1: "site-0", 2: "site-1", 3: "gateway"}
-    assert _claims(strategy, {1: "site-0", 2: "site-0", 3: "site-7"}, names) == ["site-0",
-                                                                                  "site-7"]
-    reason = strategy.ledger.record(1).dropped[0]["reason"]
+    assert _claims(engine, {1: "site-0", 2: "site-0", 3: "site-7"}, names) == ["site-0",
+                                                                               "site-7"]
+    reason = engine.ledger.record(1).dropped[0]["reason"]
     assert "registered as site-1 may not speak for client id site-0" in reason
-    assert _claims(strategy, {3: "site-0"}, names) == []  # not among gateway's ids
-    assert strategy.nodes.node_to_client == {1: "site-0", 3: "site-7"}
+    assert _claims(engine, {3: "site-0"}, names) == []  # not among gateway's ids
+    assert engine.nodes.node_to_client == {1: "site-0", 3: "site-7"}
 
 
 def test_require_registered_refuses_nodes_without_a_name():
-    strategy, _ = _strategy(**{"identity.require-registered": True})
-    assert _claims(strategy, {1: "site-0"}) == []
-    assert "no registered name" in strategy.ledger.record(1).dropped[0]["reason"]
+    engine, _ = _engine(**{"identity.require-registered": True})
+    assert _claims(engine, {1: "site-0"}) == []
+    assert "no registered name" in engine.ledger.record(1).dropped[0]["reason"]
 
 
 def test_without_authentication_a_live_holder_is_not_evicted_but_a_dead_one_is():
-    strategy, _ = _strategy()
-    assert _claims(strategy, {1: "0"}) == ["0"]
-    assert _claims(strategy, {2: "0"}) == []  # node 1 is live and answered: refused
-    assert "held by live node 1" in strategy.ledger.record(1).dropped[0]["reason"]
-    assert strategy.nodes.samplable([1, 2]) == [1]  # the refused node gets no work
-    strategy.nodes.missed([1])  # node 1 missed a message (a SuperNode that died) ...
-    assert _claims(strategy, {2: "0"}, server_round=2) == ["0"]  # ... its client rejoins
-    assert strategy.nodes.samplable([1, 2]) == [2]
-    strategy.nodes.observe([SimpleNamespace(node_id=2, name="")])  # node 1 is gone
-    assert _claims(strategy, {3: "0"}, server_round=3) == []  # node 2 is live
+    engine, _ = _engine()
+    assert _claims(engine, {1: "0"}) == ["0"]
+    assert _claims(engine, {2: "0"}) == []  # node 1 is live and answered: refused
+    assert "held by live node 1" in engine.ledger.record(1).dropped[0]["reason"]
+    assert engine.nodes.samplable([1, 2]) == [1]  # the refused node gets no work
+    engine.nodes.missed([1])  # node 1 missed a message (a SuperNode that died) ...
+    assert _claims(engine, {2: "0"}, server_round=2) == ["0"]  # ... its client rejoins
+    assert engine.nodes.samplable([1, 2]) == [2]
+    engine.nodes.observe([SimpleNamespace(node_id=2, name="")])  # node 1 is gone
+    assert _claims(engine, {3: "0"}, server_round=3) == []  # node 2 is live
 
 
 def test_simultaneous_claims_of_a_free_id_are_all_refused():
-    strategy, _ = _strategy()
-    assert _claims(strategy, {1: "0", 2: "0", 3: "1"}) == ["1"]
-    reasons = [d["reason"] for d in strategy.ledger.record(1).dropped]
+    engine, _ = _engine()
+    assert _claims(engine, {1: "0", 2: "0", 3: "1"}) == ["1"]
+    reasons = [d["reason"] for d in engine.ledger.record(1).dropped]
     assert len(reasons) == 2 and all("several nodes" in r for r in reasons)
 
 
 def test_client_ids_are_capped_and_expire_with_their_tables():
-    strategy, _ = _strategy("pfedc", **{"identity.max-clients": 2,
-                                        "identity.expire-rounds": 3})
-    assert _claims(strategy, {1: "a", 2: "b", 3: "c"}) == ["a", "b"]
-    assert "max-clients=2" in strategy.ledger.record(1).dropped[0]["reason"]
-    strategy.evaluation.per_client_accuracy.update({"a": 0.5, "b": 0.6})
-    strategy.rule.task_weights.update({"a": [1.0], "b": [1.0]})
-    assert _claims(strategy, {2: "b"}, server_round=4) == ["b"]
-    strategy.forget_expired(5)  # "a" last heard from in round 1
-    assert set(strategy.evaluation.per_client_accuracy) == set(strategy.rule.task_weights) == {"b"}
-    assert strategy.nodes.client_of(1) is None
-    assert _claims(strategy, {3: "c"}, server_round=5) == ["c"]  # room again
+    engine, _ = _engine("pfedc", **{"identity.max-clients": 2,
+                                    "identity.expire-rounds": 3})
+    assert _claims(engine, {1: "a", 2: "b", 3: "c"}) == ["a", "b"]
+    assert "max-clients=2" in engine.ledger.record(1).dropped[0]["reason"]
+    engine.evaluation.per_client_accuracy.update({"a": 0.5, "b": 0.6})
+    engine.rule.task_weights.update({"a": [1.0], "b": [1.0]})
+    assert _claims(engine, {2: "b"}, server_round=4) == ["b"]
+    engine.forget_expired(5)  # "a" last heard from in round 1
+    assert set(engine.evaluation.per_client_accuracy) == set(engine.rule.task_weights) == {"b"}
+    assert engine.nodes.client_of(1) is None
+    assert _claims(engine, {3: "c"}, server_round=5) == ["c"]  # room again
 
 
 def test_a_node_keeps_the_id_it_first_spoke_for():
     """Node 1 speaks for "a", then claims "b": refused, and it still works as "a"; a later
     reply of an earlier round does not move its last-heard round back."""
-    strategy, _ = _strategy(**{"identity.expire-rounds": 3})
-    assert _claims(strategy, {1: "a"}, server_round=5) == ["a"]
-    assert _claims(strategy, {1: "b"}, server_round=5) == []
-    assert "node speaks for client id a, not b" in strategy.ledger.record(5).dropped[0]["reason"]
-    assert strategy.nodes.node_to_client == {1: "a"} and strategy.nodes.samplable([1]) == [1]
-    assert _claims(strategy, {1: "a"}, server_round=3) == ["a"]
-    strategy.forget_expired(8)  # heard from in round 5: kept
-    assert strategy.nodes.client_of(1) == "a"
+    engine, _ = _engine(**{"identity.expire-rounds": 3})
+    assert _claims(engine, {1: "a"}, server_round=5) == ["a"]
+    assert _claims(engine, {1: "b"}, server_round=5) == []
+    assert "node speaks for client id a, not b" in engine.ledger.record(5).dropped[0]["reason"]
+    assert engine.nodes.node_to_client == {1: "a"} and engine.nodes.samplable([1]) == [1]
+    assert _claims(engine, {1: "a"}, server_round=3) == ["a"]
+    engine.forget_expired(8)  # heard from in round 5: kept
+    assert engine.nodes.client_of(1) == "a"
 
 
 def test_the_holder_keeps_its_id_when_another_node_claims_it_in_the_same_batch():
-    strategy, _ = _strategy()
-    assert _claims(strategy, {1: "0"}) == ["0"]
-    strategy.nodes.missed([1])  # either claim alone would pass: the holder's reply wins
-    assert _claims(strategy, {1: "0", 2: "0"}, server_round=2) == ["0"]
-    assert strategy.nodes.node_to_client == {1: "0"}
+    engine, _ = _engine()
+    assert _claims(engine, {1: "0"}) == ["0"]
+    engine.nodes.missed([1])  # either claim alone would pass: the holder's reply wins
+    assert _claims(engine, {1: "0", 2: "0"}, server_round=2) == ["0"]
+    assert engine.nodes.node_to_client == {1: "0"}
 
 
 def test_a_holder_that_answers_again_keeps_its_id_and_a_silent_one_loses_it():
     """``missed`` then ``answered``: responsive again, its id is refused to another node. A
     holder that did not answer an identify query (silent) is not responsive: its client may
     come back on a new node; the silent node, answering later, is sampled again."""
-    strategy, _ = _strategy()
-    nodes = strategy.nodes
-    assert _claims(strategy, {1: "0", 2: "1"}) == ["0", "1"]
+    engine, _ = _engine()
+    nodes = engine.nodes
+    assert _claims(engine, {1: "0", 2: "1"}) == ["0", "1"]
     nodes.missed([1])
     nodes.answered([1])
-    assert _claims(strategy, {3: "0"}) == []
+    assert _claims(engine, {3: "0"}) == []
     nodes.heard_from([1, 2], [2])  # node 1 silent
     assert nodes.samplable([1, 2]) == [2]
-    assert _claims(strategy, {3: "0"}, server_round=2) == ["0"]
+    assert _claims(engine, {3: "0"}, server_round=2) == ["0"]
     nodes.heard_from([2, 4], [2, 4])
     nodes.heard_from([1], [1])  # a silent node that answers is no longer silent
     assert 1 not in nodes.silent_nodes
@@ -131,16 +131,16 @@ def test_a_replaced_node_holds_nothing():
     """Node 1's client came back on node 2: node 1 is not asked who it is, gets no work, is
     not among the client's nodes, and does not hold the id against a third node once node
     2 is gone, even if node 1 answers again."""
-    strategy, _ = _strategy()
-    nodes = strategy.nodes
-    assert _claims(strategy, {1: "0"}) == ["0"]
+    engine, _ = _engine()
+    nodes = engine.nodes
+    assert _claims(engine, {1: "0"}) == ["0"]
     nodes.missed([1])
-    assert _claims(strategy, {2: "0"}, server_round=2) == ["0"]
+    assert _claims(engine, {2: "0"}, server_round=2) == ["0"]
     assert nodes.unidentified([1, 2, 5], 3) == [5] and nodes.samplable([1, 2]) == [2]
     assert nodes.nodes_of({"0"}) == [2]
     nodes.answered([1])
     nodes.missed([2])
-    assert _claims(strategy, {3: "0"}, server_round=3) == ["0"]
+    assert _claims(engine, {3: "0"}, server_round=3) == ["0"]
 
 
 def test_a_node_is_asked_who_it_is_once_a_round():
@@ -153,9 +153,9 @@ def test_a_node_is_asked_who_it_is_once_a_round():
 def test_work_goes_to_clients_in_client_order_never_to_excluded_ones():
     """Sampling must not depend on node ids (random, new each run): numeric client ids in
     numeric order, then names, then nodes not identified yet; excluded clients get none."""
-    strategy, _ = _strategy()
-    nodes = strategy.nodes
-    assert _claims(strategy, {50: "10", 40: "9", 30: "site", 20: "2"}) == ["2", "9", "10",
+    engine, _ = _engine()
+    nodes = engine.nodes
+    assert _claims(engine, {50: "10", 40: "9", 30: "site", 20: "2"}) == ["2", "9", "10",
                                                                          "site"]
     assert nodes.samplable([60, 50, 40, 30, 20]) == [20, 40, 50, 30, 60]
     nodes.excluded_clients.add("9")
@@ -163,13 +163,13 @@ def test_work_goes_to_clients_in_client_order_never_to_excluded_ones():
 
 
 def test_an_id_expires_after_expire_rounds_without_a_word_and_not_before():
-    strategy, _ = _strategy(**{"identity.expire-rounds": 3})
-    assert _claims(strategy, {1: "a"}) == ["a"]
-    strategy.nodes.identified(1, "a", {"partition-id": 0})
-    strategy.forget_expired(4)  # heard from 3 rounds ago: kept
-    assert strategy.nodes.client_of(1) == "a" and "a" in strategy.nodes.client_info
-    strategy.forget_expired(5)
-    assert strategy.nodes.client_of(1) is None and "a" not in strategy.nodes.client_info
+    engine, _ = _engine(**{"identity.expire-rounds": 3})
+    assert _claims(engine, {1: "a"}) == ["a"]
+    engine.nodes.identified(1, "a", {"partition-id": 0})
+    engine.forget_expired(4)  # heard from 3 rounds ago: kept
+    assert engine.nodes.client_of(1) == "a" and "a" in engine.nodes.client_info
+    engine.forget_expired(5)
+    assert engine.nodes.client_of(1) is None and "a" not in engine.nodes.client_info
 
 
 class _Grid:

@@ -102,21 +102,21 @@ def test_clients_disclose_presence_by_default_and_counts_only_as_the_option(weig
     assert sent == expected.tolist()
 
 
-def _strategy(**overrides) -> PFedCRule:
+def _rule(**overrides) -> PFedCRule:
     settings = load_settings(app_config(method="pfedc", **overrides))
     return RoundEngine(settings, wire_spec(settings), PFedCRule).rule
 
 
 def test_downlink_carries_only_held_branches_and_their_holders_average():
-    strategy = _strategy()
-    assert len(strategy.keys_of_task) == 10
-    strategy.task_weights = {"0": [5.0, 5.0] + [0.0] * 8, "1": [0.0, 4.0, 4.0] + [0.0] * 7}
-    arrays = initial_state(strategy.settings).arrays
-    down0 = strategy.downlink(1, "0", arrays)
-    down1 = strategy.downlink(1, "1", arrays)
+    rule = _rule()
+    assert len(rule.keys_of_task) == 10
+    rule.task_weights = {"0": [5.0, 5.0] + [0.0] * 8, "1": [0.0, 4.0, 4.0] + [0.0] * 7}
+    arrays = initial_state(rule.settings).arrays
+    down0 = rule.downlink(1, "0", arrays)
+    down1 = rule.downlink(1, "1", arrays)
     held = lambda rec: sorted({int(k.split(".")[2]) for k in rec if k.startswith("head.")})  # noqa: E731
     assert held(down0) == [0, 1] and held(down1) == [1, 2]
-    assert held(strategy.downlink(1, None, arrays)) == list(range(10))  # not seen yet: all
+    assert held(rule.downlink(1, None, arrays)) == list(range(10))  # not seen yet: all
 
 
 def test_min_norm_two_gradients_closed_form():
@@ -231,18 +231,18 @@ def test_local_rule_descends_the_weighted_sum_of_the_task_losses(mgda, tasks):
 def test_the_shared_extractor_is_averaged_by_examples_eq6():
     """``phi <- sum_i (D_i / D) phi_i``: a client with three times the examples weighs three
     times as much."""
-    strategy = _strategy()
-    arrays = initial_state(strategy.settings).arrays
+    rule = _rule()
+    arrays = initial_state(rule.settings).arrays
     replies = []
     for pid, (value, examples) in enumerate(((1.0, 10), (5.0, 30))):
         client = _client(pid)
         sent = client.shared_arrays(client.model(arrays), arrays)
-        phi = {k: Array(np.full_like(sent[k].numpy(), value)) for k in strategy.wire.phi_keys}
+        phi = {k: Array(np.full_like(sent[k].numpy(), value)) for k in rule.wire.phi_keys}
         branches = {k: sent[k] for k in sent if k not in phi}
         replies.append(ClientReply(pid, client.client_id, ArrayRecord({**phi, **branches}),
                                    MetricRecord({"num-examples": examples}), client.identity()))
-    merged = strategy.merge_updates(1, replies, arrays)
-    for key in strategy.wire.phi_keys:
+    merged = rule.merge_updates(1, replies, arrays)
+    for key in rule.wire.phi_keys:
         np.testing.assert_allclose(merged[key].numpy(), (1.0 * 10 + 5.0 * 30) / 40, rtol=1e-6)
 
 
@@ -276,11 +276,11 @@ def test_one_task_is_fedavg_with_one_shared_head():
         np.testing.assert_allclose(value.numpy(), results[0][key].numpy(), rtol=1e-5,
                                    atol=1e-6)
     # counts as task weights (pfedc.weighting = "counts"): the head's mean is FedAvg's
-    strategy = _strategy(**{"pfedc.tasks": 1, "pfedc.weighting": "counts"})
-    strategy.task_weights = {"0": [10.0], "1": [30.0]}
-    strategy.branches = {c: {"head.branches.0.bias": np.full(10, v, np.float32)}
-                         for c, v in (("0", 1.0), ("1", 2.0))}
-    averaged = masked_branch_average(strategy.branches, strategy.task_weights,
+    rule = _rule(**{"pfedc.tasks": 1, "pfedc.weighting": "counts"})
+    rule.task_weights = {"0": [10.0], "1": [30.0]}
+    rule.branches = {c: {"head.branches.0.bias": np.full(10, v, np.float32)}
+                     for c, v in (("0", 1.0), ("1", 2.0))}
+    averaged = masked_branch_average(rule.branches, rule.task_weights,
                                      {0: ["head.branches.0.bias"]})
     assert averaged["head.branches.0.bias"] == pytest.approx(np.full(10, 1.75))  # FedAvg mean
     assert Array(averaged["head.branches.0.bias"]).dtype == "float32"
@@ -291,7 +291,7 @@ def _branch_keys(keys, held: bool, weights: list[float]) -> list[str]:
 
 
 def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
-    """Three rounds through the client runtime and the strategy (round 2 without client 3):
+    """Three rounds through the client runtime and the rule (round 2 without client 3):
     every client's branch of a task it does not hold is exactly what its own training left,
     round after round (never sent, never received); every held branch the server sends is the
     plain mean of its holders' latest uploads (eq. 7), not the count-weighted one."""
@@ -301,7 +301,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
     settings = clients[0].settings
     assert settings.method_settings.weighting == "uniform"  # the default
     arrays = initial_state(settings).arrays
-    strategy = RoundEngine(settings, wire_spec(settings), PFedCRule).rule
+    rule = RoundEngine(settings, wire_spec(settings), PFedCRule).rule
     presence = {c.client_id: c.identity()["pfedc.task-weights"] for c in clients}
     assert sum(0.0 in w for w in presence.values()) >= 3  # most clients lack some class
     left_by_training: dict[str, dict[str, torch.Tensor]] = {}
@@ -310,7 +310,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
         replies = []
         for client in present:
             cid = client.client_id
-            down = strategy.downlink(server_round, cid, arrays)
+            down = rule.downlink(server_round, cid, arrays)
             assert not _branch_keys(down, False, presence[cid]) or server_round == 1
             model = client.model(down)
             state = model.state_dict()
@@ -330,8 +330,8 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
             latest[cid] = {k: v.numpy() for k, v in sent.items()}
             replies.append(ClientReply(client.partition_id, cid, sent, MetricRecord(
                 {"num-examples": len(client.data().y_train)}), identity))
-        arrays = strategy.merge_updates(server_round, replies, arrays)
-        for task, keys in strategy.keys_of_task.items():
+        arrays = rule.merge_updates(server_round, replies, arrays)
+        for task, keys in rule.keys_of_task.items():
             holders = [c for c, w in presence.items() if w[task] > 0]
             for key in keys:
                 if not holders:
@@ -341,7 +341,7 @@ def test_rounds_average_held_branches_uniformly_and_never_touch_unheld_ones():
     counts = {c.client_id: np.bincount(c.data().y_train, minlength=10) for c in clients}
     weighted = masked_branch_average(latest, {c: n.astype(float).tolist()
                                               for c, n in counts.items()},
-                                     strategy.keys_of_task)
+                                     rule.keys_of_task)
     assert any(not np.allclose(weighted[k], arrays[k].numpy(), atol=1e-4) for k in weighted)
 
 
@@ -367,8 +367,8 @@ def test_personal_branches_ablation_sends_each_client_its_own_branches_back():
     """``pfedc.branches = "personal"``: phi is still averaged (eq. 6), no branch is (eq. 7
     off): a class both clients hold comes back to each as it sent it."""
     personal = {"pfedc.branches": "personal"}
-    strategy = _strategy(**personal)
-    arrays = initial_state(strategy.settings).arrays
+    rule = _rule(**personal)
+    arrays = initial_state(rule.settings).arrays
     replies, sent_by = [], {}
     for pid, value in ((0, 1.0), (1, 5.0)):
         client = _client(pid, **personal)
@@ -377,15 +377,15 @@ def test_personal_branches_ablation_sends_each_client_its_own_branches_back():
         sent_by[client.client_id] = filled
         replies.append(ClientReply(pid, client.client_id, filled,
                                    MetricRecord({"num-examples": 10}), client.identity()))
-    shared_branches = set.intersection(*({k for k in s if k not in strategy.wire.phi_keys}
+    shared_branches = set.intersection(*({k for k in s if k not in rule.wire.phi_keys}
                                          for s in sent_by.values()))
     assert shared_branches  # a class both hold: averaged, it would come back as 3.0
-    merged = strategy.merge_updates(1, replies, arrays)
+    merged = rule.merge_updates(1, replies, arrays)
     for key in shared_branches:  # what a client not seen yet receives: the initial branch
         np.testing.assert_array_equal(merged[key].numpy(), arrays[key].numpy())
     for cid, sent in sent_by.items():
-        down = strategy.downlink(2, cid, merged)
-        for key in strategy.wire.phi_keys:
+        down = rule.downlink(2, cid, merged)
+        for key in rule.wire.phi_keys:
             np.testing.assert_allclose(down[key].numpy(), 3.0, rtol=1e-6)
         for key in shared_branches:
             np.testing.assert_array_equal(down[key].numpy(), sent[key].numpy())

@@ -170,10 +170,10 @@ def test_a_drawn_client_whose_update_did_not_arrive_counts_as_a_zero_update():
     trained = along(rng, start, 0.5)
     ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": 1.0}),
                                        rng=NoNoise()), 8)
-    ledger.round_drawn(["0", "1", "2", "3"], 8)
-    merged = ledger.merge([reply("0", trained, 0.0), reply("1", trained, 1.0)],
-                          list(SHAPES), record(start))
-    assert ledger.account(True)["clipped_fraction"] == 0.5
+    draw = (["0", "1", "2", "3"], 8)
+    merged, note = ledger.merge([reply("0", trained, 0.0), reply("1", trained, 1.0)],
+                                list(SHAPES), record(start), drawn=4)
+    assert ledger.account(draw, True, note)["clipped_fraction"] == 0.5
     for k in SHAPES:
         np.testing.assert_allclose(merged[k].numpy() - start[k],
                                    (trained[k] - start[k]) / 2, atol=1e-6)
@@ -182,10 +182,8 @@ def test_a_drawn_client_whose_update_did_not_arrive_counts_as_a_zero_update():
 def test_a_central_round_that_merged_nothing_releases_nothing():
     """Every reply dropped: no noised sum left the server, so the round spends no epsilon."""
     ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": 1.0})), 10)
-    ledger.round_drawn(["0", "1"], 10)
-    spent = ledger.account(True)["epsilon"]
-    ledger.round_drawn(["2", "3"], 10)
-    assert ledger.account(False) == {"mode": "central", "epsilon": spent,
+    spent = ledger.account((["0", "1"], 10), True)["epsilon"]
+    assert ledger.account((["2", "3"], 10), False) == {"mode": "central", "epsilon": spent,
                                      "delta": default_delta(10), "noise_multiplier": 1.0,
                                      "clip_norm": 1.0, "clipped_fraction": None}
 
@@ -199,8 +197,8 @@ def test_the_noise_is_noise_multiplier_times_clip_norm_on_the_sum():
     ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": z,
                                                   "dp.clip-norm": clip_norm}),
                                       rng=np.random.default_rng(3)), n)
-    ledger.round_drawn([str(i) for i in range(n)], n)
-    merged = ledger.merge([reply(str(i), start, 0.0) for i in range(n)], ["w"], record(start))
+    merged, _ = ledger.merge([reply(str(i), start, 0.0) for i in range(n)], ["w"],
+                             record(start), drawn=n)
     assert np.std(merged["w"].numpy()) == pytest.approx(z * clip_norm / n, rel=0.02)
     sent, _ = privatize_uplink(record(start), record(start), "local", clip_norm, z,
                                np.random.default_rng(4))
@@ -231,20 +229,18 @@ def test_central_epsilon_is_dp_accountings_for_the_same_rounds_sampling_and_nois
     event = dp_event.SampledWithoutReplacementDpEvent(size, drawn,
                                                       dp_event.GaussianDpEvent(z / 2))
     for server_round in range(1, 4):
-        ledger.round_drawn([str(i) for i in range(drawn)], size)
-        spent = ledger.account(True)
+        spent = ledger.account(([str(i) for i in range(drawn)], size), True)
         expected = reference_epsilon(event, NeighboringRelation.REPLACE_ONE, server_round,
                                      delta)
         assert spent["epsilon"] == pytest.approx(expected, rel=1e-12)
         assert spent["delta"] == delta == 1e-5
     assert spent["mode"] == "central" and spent["noise_multiplier"] == z
-    ledger.round_drawn([str(i) for i in range(drawn)], 10)
     reference = ReferenceAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
     reference.compose(event, 3)
     reference.compose(dp_event.SampledWithoutReplacementDpEvent(
         size, 10, dp_event.GaussianDpEvent(z / 2)))
-    assert ledger.account(True)["epsilon"] == pytest.approx(reference.get_epsilon(delta),
-                                                            rel=1e-12)
+    assert ledger.account(([str(i) for i in range(drawn)], 10), True)["epsilon"] == \
+        pytest.approx(reference.get_epsilon(delta), rel=1e-12)
 
 
 def test_local_epsilon_is_the_most_drawn_clients_composition_without_amplification():
@@ -253,8 +249,7 @@ def test_local_epsilon_is_the_most_drawn_clients_composition_without_amplificati
                                                   "dp.delta": 1e-5})), 10)
     draws = [["0", "1"], ["0", "2"], ["0", "3"], ["4", "5"]]  # client 0: three times
     for drawn, most in zip(draws, (1, 2, 3, 3), strict=True):
-        ledger.round_drawn(drawn, 10)
-        spent = ledger.account(True)
+        spent = ledger.account((drawn, 10), True)
         assert spent["epsilon"] == pytest.approx(reference_epsilon(
             dp_event.GaussianDpEvent(z / 2), NeighboringRelation.ADD_OR_REMOVE_ONE, most,
             1e-5), rel=1e-12)
@@ -269,16 +264,15 @@ def test_a_round_that_would_pass_the_target_epsilon_is_not_run():
     ledger = population(PrivacyLedger(settings(**{"dp.noise-multiplier": z})), size)
     epsilons = []
     for eligible in (10, 10, 5, 10):
-        ledger.round_drawn([str(i) for i in range(5)], eligible)
-        epsilons.append(ledger.account(True)["epsilon"])
+        epsilons.append(ledger.account(([str(i) for i in range(5)], eligible), True)["epsilon"])
     target = (epsilons[1] + epsilons[2]) / 2  # between rounds 2 and 3
     capped = population(PrivacyLedger(settings(**{"dp.noise-multiplier": z,
                                                   "dp.target-epsilon": target})), size)
     for _ in (1, 2):
-        capped.round_drawn([str(i) for i in range(5)], 10)
-        capped.account(True)
+        capped.check_budget(([str(i) for i in range(5)], 10))
+        capped.account(([str(i) for i in range(5)], 10), True)
     with pytest.raises(BudgetSpentError) as spent:
-        capped.round_drawn([str(i) for i in range(5)], 5)
+        capped.check_budget(([str(i) for i in range(5)], 5))
     assert str(spent.value) == (f"dp.target-epsilon={target}: the next round would spend "
                                 f"epsilon {epsilons[2]:.3f} at delta {default_delta(size):.3g}")
 
@@ -288,9 +282,9 @@ def test_the_privacy_state_survives_a_checkpoint(tmp_path):
     run = settings(**{"dp.adaptive-clipping": True, "dp.clipped-count-stddev": 5.0})
     ledger = population(PrivacyLedger(run, rng=NoNoise()), 8)
     start = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    ledger.round_drawn(["0"], 8)  # its update unclipped: the clip norm moves down
-    ledger.merge([reply("0", start, 0.0)], list(SHAPES), record(start))
-    first = ledger.account(True)
+    # its update unclipped: the clip norm moves down
+    _, note = ledger.merge([reply("0", start, 0.0)], list(SHAPES), record(start), drawn=1)
+    first = ledger.account((["0"], 8), True, note)
     save_tree(tmp_path / "checkpoint.npz", {"privacy": ledger.state()})
     restored = PrivacyLedger(run)
     restored.restore(load_tree(tmp_path / "checkpoint.npz")["privacy"])

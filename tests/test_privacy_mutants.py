@@ -131,11 +131,10 @@ def make_client_at(partition: int, node_id: int, run_config: dict) -> Client:
 
 def central_merge(ledger: PrivacyLedger, start: dict[str, np.ndarray],
                   trained: dict[str, np.ndarray]) -> np.ndarray:
-    ledger.round_drawn(["0", "1"], 4)
     replies = [ClientReply(100 + i, str(i), record(trained),
                            MetricRecord({NUM_EXAMPLES: 10}), ConfigRecord())
                for i in range(2)]
-    return flat(ledger.merge(replies, list(SHAPES), record(start)))
+    return flat(ledger.merge(replies, list(SHAPES), record(start), drawn=2)[0])
 
 
 def test_central_dp_noise_differs_between_ledgers_of_the_same_seed_and_between_rounds():
@@ -181,8 +180,8 @@ def test_a_round_with_fewer_clients_eligible_is_accounted_at_the_sample_rounded_
     ledger = with_population(PrivacyLedger(dp_settings("central")), size)
     clients = [str(i) for i in range(drawn)]
     projected = ledger.epsilon((clients, eligible))
-    ledger.round_drawn(clients, eligible)
-    spent = ledger.account(True)["epsilon"]
+    ledger.check_budget((clients, eligible))
+    spent = ledger.account((clients, eligible), True)["epsilon"]
     assert ledger.releases == {accounted: 1}
     assert spent == projected == pytest.approx(sampled_epsilon(z, size, accounted, DELTA),
                                                rel=1e-12)
@@ -199,8 +198,8 @@ DRAWS = [(["0", "1"], 4), (["0", "2"], 4), (["0", "3"], 4)]
 def run_rounds_of(target: RoundEngine, draws) -> list[float]:
     spent = []
     for drawn, eligible in draws:
-        target.privacy.round_drawn(drawn, eligible)
-        spent.append(target.privacy.account(True)["epsilon"])
+        target.privacy.check_budget((drawn, eligible))
+        spent.append(target.privacy.account((drawn, eligible), True)["epsilon"])
     return spent
 
 

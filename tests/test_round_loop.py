@@ -24,7 +24,7 @@ from strategies.engine import (
 )
 from strategies.registry import load_settings
 from tests.conftest import app_config
-from tests.test_trust import _strategy
+from tests.test_trust import _engine
 
 
 def _arrays(value: float) -> ArrayRecord:
@@ -61,14 +61,16 @@ class _ScriptedEngine:
         evaluated, self.pending = self.pending if self.asked else None, None
         return RoundPlan(server_round, {}, {}, evaluated)
 
-    def train_round(self, grid: None, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
+    def run_round(self, grid: None, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
         self.trained.append((plan.round, _value(arrays)))
         completed = () if plan.evaluated is None else (plan.evaluated,)
-        if self.settings.fused_evaluation:
-            self.pending, self.asked = plan.round, plan.round not in self.not_evaluated
-            completed += () if self.asked else (plan.round,)
-        return RoundOutcome(None if plan.round in self.no_update else _arrays(plan.round),
-                            completed)
+        updated = None if plan.round in self.no_update else _arrays(plan.round)
+        if not self.settings.fused_evaluation:  # the round's own evaluate exchange
+            return RoundOutcome(updated, (*completed, self.evaluate_round(
+                grid, plan.round, arrays if updated is None else updated)))
+        self.pending, self.asked = plan.round, plan.round not in self.not_evaluated
+        completed += () if self.asked else (plan.round,)
+        return RoundOutcome(updated, completed)
 
     def evaluate_round(self, grid: None, server_round: int, arrays: ArrayRecord,
                        last: bool = False) -> int:
@@ -154,14 +156,14 @@ def test_the_rounds_an_exchange_completed_are_written_in_order(tmp_path):
     (10, 35, [10, 20, *range(26, 36)]), (40, 8, list(range(1, 9)))])
 def test_evaluate_every_asks_every_kth_round_and_each_of_the_last_ten(every, rounds,
                                                                       evaluated):
-    engine, _ = _strategy(**{"evaluate-every": every, "num-server-rounds": rounds})
+    engine, _ = _engine(**{"evaluate-every": every, "num-server-rounds": rounds})
     assert [r for r in range(1, rounds + 1) if engine.evaluation.evaluates(r)] == evaluated
 
 
 def test_a_checkpoint_after_a_skipped_round_keeps_its_draw_unasked(tmp_path):
     """Saved and loaded as a checkpoint is: the resumed run's next round asks nobody for
     round 3, a budget stop would."""
-    engines = [_strategy(**{"evaluate-every": 5, "num-server-rounds": 20})[0]
+    engines = [_engine(**{"evaluate-every": 5, "num-server-rounds": 20})[0]
                for _ in range(2)]
     for engine in engines:
         assert engine.nodes.claim(7, "a", 3) is None
@@ -189,7 +191,7 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
     evaluate exchange is sent (this one has no Grid: sending would fail), so results.json
     gets no second entry for the last round. One taken after round 3's training, before its
     evaluation, has it asked. The engine is the real one."""
-    engine, arrays = _strategy()
+    engine, arrays = _engine()
     assert engine.evaluation_pending() is False  # nothing drawn before round 1
     recorder = _recorder(engine, tmp_path)
     recorder.rounds = [RoundRecord().entry(r, 1.0) for r in (1, 2, 3)]
@@ -206,9 +208,9 @@ def test_a_finished_run_resumed_with_no_round_left_runs_no_second_evaluation(tmp
 
 
 def test_a_skipped_rounds_draw_is_asked_only_as_a_runs_last_evaluation():
-    engine, _ = _strategy(**{"evaluate-every": 5, "num-server-rounds": 20})
+    engine, _ = _engine(**{"evaluate-every": 5, "num-server-rounds": 20})
     evaluation = engine.evaluation
-    evaluation.rejoined_at_evaluate.add("a")  # found rejoining at round 3's admission
+    evaluation.expect_rejoined(["a"])  # found rejoining at round 3's admission
     evaluation.draw({7: "a"}, asked=False)  # round 3's, which evaluate-every skips
     assert "a" not in evaluation.rejoined_at_evaluate  # its next score is after it trained
     assert engine.evaluation_pending() and evaluation.take() is None

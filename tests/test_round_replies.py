@@ -23,7 +23,7 @@ from strategies.engine import RoundPlan
 from strategies.engine.exchange import Exchange
 from strategies.engine.replies import DivergenceWatch, RunFailedError
 from tests.conftest import app_config, make_client
-from tests.test_trust import _strategy
+from tests.test_trust import _engine
 
 pytestmark = pytest.mark.usefixtures("server_task")
 
@@ -54,7 +54,7 @@ EVALUATION = {"eval-accuracy": 0.5, "eval-num-examples": 20}
 def test_a_reply_speaks_for_its_client_only_when_it_serves_a_job():
     """Node 100: broken arrays, no evaluation asked; 101: broken arrays, a valid evaluation;
     102: broken arrays and no evaluation although asked; 103: honest, evaluating."""
-    engine, arrays = _strategy()
+    engine, arrays = _engine()
     exchanged = [_train_reply(0, arrays, False, {}), _train_reply(1, arrays, False, EVALUATION),
                  _train_reply(2, arrays, False, {}), _train_reply(3, arrays, True, EVALUATION)]
     sent = [m for m, _ in exchanged]
@@ -74,7 +74,7 @@ def test_a_reply_speaks_for_its_client_only_when_it_serves_a_job():
 def test_a_missing_node_is_dropped_from_each_of_its_jobs_and_every_reply_counts_its_bytes():
     """Node 100 trains (broken arrays), 101 trains and evaluates, 102 only evaluates (an
     evaluate message in the same exchange); 101 and 102 do not reply."""
-    engine, arrays = _strategy()
+    engine, arrays = _engine()
     (sent_0, reply_0), (sent_1, _) = (_train_reply(0, arrays, False, {}),
                                       _train_reply(1, arrays, True, EVALUATION))
     sent_2 = Message(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
@@ -100,7 +100,7 @@ def test_a_plan_splits_its_evaluators_into_trainers_and_the_others():
 def test_a_round_weighs_each_client_by_its_first_reported_example_counts():
     """Example counts are pinned at a client's first report (``robust.ExampleCounts``), for
     its update and for the evaluation its train reply carries, in a round's exchange too."""
-    engine, arrays = _strategy()
+    engine, arrays = _engine()
     for examples, tested in ((50, 20), (5000, 2000)):
         sent, reply = _train_reply(0, arrays, True, {"eval-accuracy": 0.5,
                                                      "eval-num-examples": tested}, examples)
@@ -111,7 +111,7 @@ def test_a_round_weighs_each_client_by_its_first_reported_example_counts():
 
 
 def test_the_evaluation_a_train_reply_carries_keeps_its_task_accuracy_and_cpu_time():
-    engine, arrays = _strategy()
+    engine, arrays = _engine()
     sent, reply = _train_reply(0, arrays, True, {**EVALUATION, "eval-task-accuracy": 0.25,
                                                  "eval-cpu-seconds": 1.5})
     read = engine.read(RoundPlan(2, {100: None}, {100: None}, 1),
@@ -123,7 +123,7 @@ def test_the_evaluation_a_train_reply_carries_keeps_its_task_accuracy_and_cpu_ti
 
 
 def test_an_evaluation_of_no_examples_is_dropped_and_the_update_kept():
-    engine, arrays = _strategy()
+    engine, arrays = _engine()
     sent, reply = _train_reply(0, arrays, True, {"eval-accuracy": 0.5, "eval-num-examples": 0})
     read = engine.read(RoundPlan(2, {100: None}, {100: None}, 1),
                        Exchange([sent], [(100, reply)]))
@@ -135,7 +135,7 @@ def test_an_evaluation_of_no_examples_is_dropped_and_the_update_kept():
 def test_a_bound_nodes_reply_that_serves_no_job_is_dropped_under_the_id_it_holds():
     """Node 100 holds client 0; its broken reply claims client 1: the drop names client 0,
     and the claim binds nothing."""
-    engine, arrays = _strategy()
+    engine, arrays = _engine()
     assert engine.nodes.claim(100, "0", 1) is None
     sent, reply = _train_reply(1, arrays, False, {}, node_id=100)
     engine.read(RoundPlan(2, {100: "0"}, {}, None), Exchange([sent], [(100, reply)]))
@@ -148,7 +148,7 @@ def test_a_node_that_did_not_reply_no_longer_holds_its_id_against_a_new_node():
     """Node 100 holds client 0 and misses round 2; in round 3 node 200 speaks for client 0
     (the client came back on another node): it is heard. Had 100 answered, it would not be."""
     for answered in (False, True):
-        engine, arrays = _strategy()
+        engine, arrays = _engine()
         assert engine.nodes.claim(100, "0", 1) is None
         sent, reply = _train_reply(0, arrays, True, {}, node_id=100)
         engine.read(RoundPlan(2, {100: "0"}, {}, None),

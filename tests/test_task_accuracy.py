@@ -178,7 +178,7 @@ def test_stats_average_task_accuracy_unweighted_over_clients():
     assert personalized_stats({"0": (0.9, 90)}, {"0": 0.5, "9": 1.0})["accuracy_task_mean"] == 0.5
 
 
-def _strategy():
+def _engine():
     settings = load_settings(app_config(method="fedavg"))
     initial, wire = initial_state(settings)
     return RoundEngine(settings, wire, REGISTRY["fedavg"].rule), initial
@@ -189,16 +189,16 @@ def _reply(message: Message, partition: int, metrics: dict) -> Message:
         str(partition), partition, 8)}), reply_to=message)
 
 
-def _read_evaluation(strategy: RoundEngine, evaluated: int, sent: list[Message],
+def _read_evaluation(engine: RoundEngine, evaluated: int, sent: list[Message],
                      replies: list[tuple[int, Message]]) -> None:
     """Round ``evaluated``'s evaluation out of the next round's exchange, as the engine reads
     and records it: every node ``sent`` a message evaluates (train messages: fused)."""
     nodes = {m.metadata.dst_node_id: None for m in sent}
     trainers = {m.metadata.dst_node_id: None for m in sent
                 if m.metadata.message_type == MessageType.TRAIN}
-    read = strategy.read(RoundPlan(evaluated + 1, trainers, nodes, evaluated),
-                         Exchange(sent, replies))
-    strategy.evaluation.record_replies(evaluated, read.evaluations, read.fused_evaluations)
+    read = engine.read(RoundPlan(evaluated + 1, trainers, nodes, evaluated),
+                       Exchange(sent, replies))
+    engine.evaluation.record_replies(evaluated, read.evaluations, read.fused_evaluations)
 
 
 @pytest.mark.usefixtures("server_task")
@@ -207,7 +207,7 @@ def test_fused_and_separate_evaluations_carry_task_accuracy_and_bad_values_are_d
     none; 1.5, out of range) and train replies carrying the evaluation (1.0; NaN). The
     malformed two are dropped, naming the metric; the one without it still counts for
     accuracy; the task mean is over the two that sent a valid one."""
-    strategy, _ = _strategy()
+    engine, _ = _engine()
     evaluate_sent, evaluate_replies = [], []
     for partition, task in ((0, 0.5), (1, None), (2, 1.5)):
         message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
@@ -224,8 +224,8 @@ def test_fused_and_separate_evaluations_carry_task_accuracy_and_bad_values_are_d
                    EVAL_EXAMPLES: 40, EVAL_TASK_ACCURACY: task}
         train_sent.append(message)
         train_replies.append((100 + partition, _reply(message, partition, metrics)))
-    _read_evaluation(strategy, 1, train_sent + evaluate_sent, train_replies + evaluate_replies)
-    record = strategy.ledger.record(1)
+    _read_evaluation(engine, 1, train_sent + evaluate_sent, train_replies + evaluate_replies)
+    record = engine.ledger.record(1)
     assert record.eval["per_client"] == {"0": 0.9, "1": 0.9, "3": 0.6}
     assert record.eval["accuracy_task_mean"] == 0.75
     assert record.eval["accuracy_task_num_clients"] == 2
@@ -238,7 +238,7 @@ def test_fused_and_separate_evaluations_carry_task_accuracy_and_bad_values_are_d
 def test_a_fused_evaluation_weighs_a_client_by_its_first_reported_test_examples():
     """Client 3 reports 40 test examples, then 4,000: its second evaluation still weighs 40
     (inflating its count would pull the weighted accuracy towards its own)."""
-    strategy, _ = _strategy()
+    engine, _ = _engine()
     for server_round, inflated in ((1, 40), (2, 4000)):
         sent, replies = [], []
         for partition, accuracy, examples in ((3, 0.6, inflated), (4, 1.0, 40)):
@@ -248,8 +248,8 @@ def test_a_fused_evaluation_weighs_a_client_by_its_first_reported_test_examples(
             replies.append((100 + partition, _reply(message, partition, {
                 NUM_EXAMPLES: 50, "train-loss": 1.0, EVAL_ACCURACY: accuracy,
                 EVAL_EXAMPLES: examples})))
-        _read_evaluation(strategy, server_round, sent, replies)
-        assert strategy.ledger.record(server_round).eval["accuracy_weighted"] == \
+        _read_evaluation(engine, server_round, sent, replies)
+        assert engine.ledger.record(server_round).eval["accuracy_weighted"] == \
             pytest.approx(0.8)
 
 
@@ -257,9 +257,9 @@ def test_a_fused_evaluation_weighs_a_client_by_its_first_reported_test_examples(
 def test_the_evaluate_exchange_records_task_accuracy(monkeypatch):
     """The two-exchange protocol (and the last round of the fused one): the evaluate
     exchange's replies give the round's ``accuracy_task_mean``."""
-    strategy, initial = _strategy()
+    engine, initial = _engine()
     tasks = {100: 0.25, 101: 0.75}
-    strategy.evaluation.draw({100: "0", 101: "1"})
+    engine.evaluation.draw({100: "0", 101: "1"})
 
     def send(grid, messages):
         return Exchange(messages, [(m.metadata.dst_node_id, _reply(m, m.metadata.dst_node_id
@@ -267,9 +267,9 @@ def test_the_evaluate_exchange_records_task_accuracy(monkeypatch):
             NUM_EXAMPLES: 10, "accuracy": 0.5, "loss": 1.0,
             TASK_ACCURACY: tasks[m.metadata.dst_node_id]})) for m in messages])
 
-    monkeypatch.setattr(strategy.messenger, "send", send)
-    strategy.evaluate_round(None, 1, initial)
-    evaluation = strategy.ledger.record(1).eval
+    monkeypatch.setattr(engine.messenger, "send", send)
+    engine.evaluate_round(None, 1, initial)
+    evaluation = engine.ledger.record(1).eval
     assert evaluation["accuracy_task_mean"] == 0.5
     assert "accuracy_task_num_clients" not in evaluation
 

@@ -44,7 +44,7 @@ from tests.conftest import app_config, make_client
 pytestmark = pytest.mark.usefixtures("server_task")
 
 
-def _strategy(method: str = "fedavg", **overrides):
+def _engine(method: str = "fedavg", **overrides):
     settings = load_settings(app_config(method=method, **overrides))
     initial, wire = initial_state(settings)
     return RoundEngine(settings, wire, REGISTRY[method].rule), initial
@@ -120,7 +120,7 @@ TRAIN_CASES = {
 
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
 def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
-    strategy, initial = _strategy()
+    engine, initial = _engine()
     clients = [make_client(p, app_config()) for p in range(2)]
     sent, replies = [], []
     for client in clients:
@@ -129,14 +129,14 @@ def test_a_malformed_train_reply_is_dropped_and_the_others_pass(case):
             TRAIN_CASES[case][0](content)
         sent.append(message)
         replies.append((client.context.node_id, Message(content, reply_to=message)))
-    valid = strategy.read(_training(1, sent), Exchange(sent, replies)).updates
+    valid = engine.read(_training(1, sent), Exchange(sent, replies)).updates
     assert [r.client_id for r in valid] == ["0"]
-    dropped = strategy.ledger.record(1).dropped
+    dropped = engine.ledger.record(1).dropped
     assert len(dropped) == 1 and dropped[0]["node"] == 101
     assert TRAIN_CASES[case][1] in dropped[0]["reason"], dropped[0]["reason"]
     assert "\n" not in dropped[0]["reason"] and "\n" not in dropped[0]["client"]
     # the checked arrays are the decoded values, ready for aggregation
-    strategy.rule.merge_updates(1, valid, initial)
+    engine.rule.merge_updates(1, valid, initial)
 
 
 def test_a_dropped_reply_is_told_in_its_checks_own_words_or_by_the_errors_type():
@@ -151,17 +151,17 @@ def test_a_dropped_reply_is_told_in_its_checks_own_words_or_by_the_errors_type()
                                                ("task-accuracy", 1.5),
                                                ("task-accuracy", [0.5])])
 def test_a_malformed_evaluate_reply_is_dropped(metric, value):
-    strategy, _ = _strategy()
+    engine, _ = _engine()
     client = make_client(0, app_config())
     message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}), dst_node_id=100,
                       message_type=MessageType.EVALUATE)
     metrics = {NUM_EXAMPLES: 10, "accuracy": 0.5, "loss": 1.0, metric: value}
     reply = Message(RecordDict({METRICS: MetricRecord(metrics), CLIENT: client.identity()}),
                     reply_to=message)
-    valid = valid_replies(strategy.ledger, strategy.nodes, 1, "evaluate",
+    valid = valid_replies(engine.ledger, engine.nodes, 1, "evaluate",
                           Exchange([message], [(100, reply)]), EVALUATE_METRICS, 1.0)
     assert valid == []
-    assert metric in strategy.ledger.record(1).dropped[0]["reason"]
+    assert metric in engine.ledger.record(1).dropped[0]["reason"]
 
 
 @pytest.mark.parametrize("hostile", [
@@ -174,32 +174,32 @@ def test_pfedc_task_weights_that_eq7_cannot_use_are_dropped(hostile):
     weighs each branch's mean by them and ``held_keys`` reads which branches the reply must
     carry from them (a negative or all-zero vector would give negative weights or hold no
     branch; a wrong length would not say which task is which)."""
-    strategy, initial = _strategy("pfedc")
+    engine, initial = _engine("pfedc")
     client = make_client(0, app_config(method="pfedc"))
     message, content = _honest_reply(client, initial)
     weights = list(content[CLIENT]["pfedc.task-weights"])
     content[CLIENT]["pfedc.task-weights"] = hostile(len(weights))
-    valid = strategy.read(_training(1, [message]), Exchange(
+    valid = engine.read(_training(1, [message]), Exchange(
         [message], [(100, Message(content, reply_to=message))])).updates
     assert valid == []
-    assert "pfedc.task-weights" in strategy.ledger.record(1).dropped[0]["reason"]
+    assert "pfedc.task-weights" in engine.ledger.record(1).dropped[0]["reason"]
 
 
 def test_an_identify_reply_lacking_partition_entries_is_dropped_fedfac():
     """FedFac reads partition-id/num-partitions of identify replies: the envelope check
     drops a reply without them before ``on_identified`` sees it."""
-    strategy, _ = _strategy("fedfac")
+    engine, _ = _engine("fedfac")
     message = Message(RecordDict({CONFIG: ConfigRecord({"action": "identify"})}),
                       dst_node_id=100, message_type=MessageType.QUERY)
     reply = Message(RecordDict({CLIENT: ConfigRecord({"client-id": "0"})}), reply_to=message)
-    valid = strategy.replies.valid(1, "identify", Exchange([message], [(100, reply)]), None)
-    assert valid == [] and "partition-id" in strategy.ledger.record(1).dropped[0]["reason"]
-    assert strategy.nodes.client_info == {}
+    valid = engine.replies.valid(1, "identify", Exchange([message], [(100, reply)]), None)
+    assert valid == [] and "partition-id" in engine.ledger.record(1).dropped[0]["reason"]
+    assert engine.nodes.client_info == {}
 
 
 # ---------------------------------------------------------------------- identity
 def test_example_counts_are_pinned_at_the_first_report():
-    strategy, _ = _strategy()
+    engine, _ = _engine()
     client = make_client(0, app_config())
     for server_round, examples in ((1, 50), (2, 5000)):
         message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
@@ -207,35 +207,35 @@ def test_example_counts_are_pinned_at_the_first_report():
         reply = Message(RecordDict({METRICS: MetricRecord({
             NUM_EXAMPLES: examples, "accuracy": 0.5, "loss": 1.0}), CLIENT: client.identity()}),
             reply_to=message)
-        valid = strategy.replies.valid(server_round, "evaluate",
-                                         Exchange([message], [(100, reply)]), EVALUATE_METRICS)
+        valid = engine.replies.valid(server_round, "evaluate",
+                                     Exchange([message], [(100, reply)]), EVALUATE_METRICS)
         assert valid[0].num_examples == 50
 
 
 def test_a_reply_claiming_more_than_max_num_examples_is_dropped():
-    strategy, _ = _strategy(**{"aggregation.max-num-examples": 1000})
+    engine, _ = _engine(**{"aggregation.max-num-examples": 1000})
     message = Message(RecordDict({CONFIG: ConfigRecord({SERVER_ROUND: 1})}),
                       dst_node_id=100, message_type=MessageType.EVALUATE)
     reply = Message(RecordDict({METRICS: MetricRecord({NUM_EXAMPLES: 1001, "accuracy": 0.5,
                                                        "loss": 1.0}),
                                 CLIENT: make_client(0, app_config()).identity()}),
                     reply_to=message)
-    assert strategy.replies.valid(1, "evaluate", Exchange([message], [(100, reply)]),
-                                  EVALUATE_METRICS) == []
-    assert "aggregation.max-num-examples=1000" in strategy.ledger.record(1).dropped[0]["reason"]
+    assert engine.replies.valid(1, "evaluate", Exchange([message], [(100, reply)]),
+                                EVALUATE_METRICS) == []
+    assert "aggregation.max-num-examples=1000" in engine.ledger.record(1).dropped[0]["reason"]
 
 
 # ---------------------------------------------------------------------- durable state
 def test_a_checkpoint_tree_round_trips_and_loads_no_pickle(tmp_path):
     tree = {"round": 3, "random": (3, tuple(range(5)), None), "arrays": {"w": np.eye(2)},
-            "strategy": {"personal": {"0": ArrayRecord({"b": Array(np.ones(3, np.float32))})},
-                         "split": {"body.0": np.array([True, False])}}, "rounds": [{"x": 1.5}]}
+            "rule": {"personal": {"0": ArrayRecord({"b": Array(np.ones(3, np.float32))})},
+                     "split": {"body.0": np.array([True, False])}}, "rounds": [{"x": 1.5}]}
     save_tree(tmp_path / "c.npz", tree)
     back = load_tree(tmp_path / "c.npz")
     assert back["random"] == tree["random"] and back["rounds"] == tree["rounds"]
     assert np.array_equal(back["arrays"]["w"], np.eye(2))
-    assert np.array_equal(back["strategy"]["personal"]["0"]["b"].numpy(), np.ones(3))
-    assert back["strategy"]["split"]["body.0"].dtype == bool
+    assert np.array_equal(back["rule"]["personal"]["0"]["b"].numpy(), np.ones(3))
+    assert back["rule"]["split"]["body.0"].dtype == bool
     np.savez(tmp_path / "evil.npz", __tree__=np.frombuffer(b"{}", np.uint8),
              a0=np.array([{"a": 1}, None], dtype=object))
     with pytest.raises(ValueError, match="allow_pickle"):
@@ -303,7 +303,7 @@ def test_the_evaluation_a_train_reply_carries_is_validated_on_its_own():
     for training and for the evaluation (each logged under its stage); one whose arrays are
     broken loses its training but its evaluation counts, as it would in the two-exchange
     protocol; the honest one counts in both."""
-    strategy, arrays = _strategy()
+    engine, arrays = _engine()
     replies = []
     for partition, (evaluation, arrays_ok) in enumerate(
             [(0.75, True), (7.0, True), ([0.5, 0.5], True), (0.25, False)]):
@@ -315,16 +315,16 @@ def test_the_evaluation_a_train_reply_carries_is_validated_on_its_own():
             _set_array(content, lambda v: Array(np.zeros((3, *v.shape), v.dtype)))
         replies.append((message, Message(content, reply_to=message)))
     sent = [m for m, _ in replies]
-    read = strategy.read(_training(2, sent, evaluating=sent, evaluated=1),
-                         Exchange(sent, [(m.metadata.dst_node_id, r) for m, r in replies]))
+    read = engine.read(_training(2, sent, evaluating=sent, evaluated=1),
+                       Exchange(sent, [(m.metadata.dst_node_id, r) for m, r in replies]))
     assert [r.client_id for r in read.updates] == ["0"]
-    strategy.evaluation.record_replies(1, read.evaluations, read.fused_evaluations)
-    record = strategy.ledger.record(1)
+    engine.evaluation.record_replies(1, read.evaluations, read.fused_evaluations)
+    record = engine.ledger.record(1)
     assert record.eval["per_client"] == {"0": 0.75, "3": 0.25}
     reasons = {d["client"]: d["reason"] for d in record.dropped if d["stage"] == "evaluate"}
     assert "'eval-accuracy' = 7.0 is outside" in reasons["1"]
     assert "'eval-accuracy' must be a number" in reasons["2"]
     # each reply read once: one drop per job it failed, under the round of that job
     assert sorted(d["client"] for d in record.dropped) == ["1", "2"]
-    trained = {d["client"]: d["reason"] for d in strategy.ledger.record(2).dropped}
+    trained = {d["client"]: d["reason"] for d in engine.ledger.record(2).dropped}
     assert sorted(trained) == ["1", "2", "3"] and "shape" in trained["3"]

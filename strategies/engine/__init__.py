@@ -5,10 +5,9 @@ names are used."""
 
 from strategies.engine.privacy import BudgetSpentError
 from strategies.engine.replies import RunFailedError
-from strategies.engine.robust import combine
 from strategies.engine.round_engine import RoundEngine
 from strategies.engine.round_plan import RoundOutcome, RoundPlan
 from strategies.engine.rule import AFTER_TRAINING, MethodRule, RuleContext
 
 __all__ = ["AFTER_TRAINING", "BudgetSpentError", "MethodRule", "RoundEngine", "RoundOutcome",
-           "RoundPlan", "RuleContext", "RunFailedError", "combine"]
+           "RoundPlan", "RuleContext", "RunFailedError"]

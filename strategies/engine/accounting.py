@@ -87,3 +87,19 @@ class RoundLedger:
     def report(self, server_round: int, name: str, value: Any) -> None:
         """A method's own per-round value: a top-level field of the round in results.json."""
         self.record(server_round).extra[name] = value
+
+    def record_train(self, server_round: int, train: dict[str, Any]) -> None:
+        """The round's training (``num_clients``, ``loss``)."""
+        self.record(server_round).train = train
+
+    def record_eval(self, server_round: int, stats: dict[str, Any]) -> None:
+        """The round's personalized evaluation (``common.record.personalized_stats``)."""
+        self.record(server_round).eval = stats
+
+    def record_rejoined(self, server_round: int, scores: dict[str, float]) -> None:
+        """The first accuracies of clients that came back on a new node (``rejoined``)."""
+        self.record(server_round).extra.setdefault("rejoined", {}).update(scores)
+
+    def restore_round(self, server_round: int, record: RoundRecord) -> None:
+        """A round's record as a checkpoint kept it (its evaluation still to come)."""
+        self.history[server_round] = record

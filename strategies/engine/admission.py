@@ -79,11 +79,11 @@ class Admission:
         if not rejoined:
             return
         if stage == MessageType.EVALUATE:
-            self.evaluation.rejoined_at_evaluate.update(rejoined.values())
+            self.evaluation.expect_rejoined(rejoined.values())
             return
         # the state it came back with: not ahead of the last completed round
         messages = self.messenger.address(server_round, rejoined, arrays, MessageType.EVALUATE,
-                                          server_round - 1)
+                                          names_round=server_round - 1)
         valid = self.replies.valid(server_round, "rejoin", self.messenger.send(grid, messages),
                                    evaluate_metric_keys(self.settings.dp_mode))
         self.ledger.client_cpu(server_round, "evaluate", valid)

@@ -24,12 +24,13 @@ the evaluated rounds' numbers are those of a run that evaluates every round.
 replies, read with round ``r + 1``'s by ``round_plan.read_round``, or the evaluate
 exchange's; round ``r``'s record is then complete: one round late with fused evaluation),
 and ``state`` / ``restore`` / ``resolve`` (a checkpoint taken between the draw and the
-exchange).
+exchange). It also keeps every client's latest accuracy (``forget``: an expired client id)
+and the clients found rejoining at an evaluate exchange (``expect_rejoined``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from logging import INFO, WARNING
 from typing import Any
@@ -41,7 +42,7 @@ from common.protocol import EVAL_CPU, TASK_ACCURACY, ClientReply, client_order
 from common.record import RoundRecord, personalized_stats
 from strategies.engine.accounting import RoundLedger
 from strategies.engine.identity import NodeDirectory
-from strategies.engine.round_plan import Drawn
+from strategies.engine.sampling import Drawn
 
 
 def scores_of(replies: list[ClientReply]) -> dict[str, tuple[float, int]]:
@@ -67,6 +68,15 @@ class PendingEvaluation:
         self.asked = True  # whether they are asked: False where evaluate-every skips the round
         self._drawn_clients: set[str] | None = None  # the same, after a resume
         self.rejoined_at_evaluate: set[str] = set()  # their first score goes to ``rejoined``
+
+    def expect_rejoined(self, client_ids: Iterable[str]) -> None:
+        """Clients found rejoining (on a new node) at an evaluate exchange's admission: their
+        first score goes to ``rejoined``."""
+        self.rejoined_at_evaluate.update(client_ids)
+
+    def forget(self, client_id: str) -> None:
+        """An expired client id."""
+        self.per_client_accuracy.pop(client_id, None)
 
     # ------------------------------------------------------------------ draw and carry
     def fraction(self, server_round: int) -> float:
@@ -122,21 +132,26 @@ class PendingEvaluation:
         if not scores:
             return
         stats = personalized_stats(scores, task_accuracy)
-        self.ledger.record(server_round).eval = stats
+        self.ledger.record_eval(server_round, stats)
         self.per_client_accuracy.update(stats["per_client"])
 
     def record_rejoined(self, server_round: int, scores: dict[str, float]) -> None:
         """The first accuracy of clients that came back on a new node (``rejoined``)."""
-        self.ledger.record(server_round).extra.setdefault("rejoined", {}).update(scores)
+        self.ledger.record_rejoined(server_round, scores)
         for client_id, accuracy in scores.items():
             log(INFO, "round %d: client %s rejoined (new node); accuracy before training "
                 "again %.4f (last before: %s)", server_round, client_id, accuracy,
                 self.per_client_accuracy.get(client_id))
 
     # ------------------------------------------------------------------ checkpoint
-    def state(self, server_round: int) -> dict[str, Any] | None:
-        """What a resumed run needs of an evaluation still to come: the round, its record so
-        far, and the client ids drawn for it."""
+    def state(self, server_round: int) -> dict[str, Any]:
+        """What a resumed run needs: every client's latest accuracy, and (``pending``) of an
+        evaluation still to come its round, its record so far and the client ids drawn for
+        it (None: none)."""
+        return {"per_client_accuracy": self.per_client_accuracy,
+                "pending": self._pending_state(server_round)}
+
+    def _pending_state(self, server_round: int) -> dict[str, Any] | None:
         if self.drawn is None:
             return None
         clients = [c for c in self.drawn.values() if c is not None]
@@ -146,12 +161,14 @@ class PendingEvaluation:
         return {"round": server_round, "clients": clients, "asked": self.asked,
                 "record": asdict(self.ledger.record(server_round))}
 
-    def restore(self, state: dict[str, Any] | None) -> None:
-        if state is None:
+    def restore(self, state: dict[str, Any]) -> None:
+        self.per_client_accuracy = dict(state.get("per_client_accuracy", {}))
+        pending = state.get("pending")
+        if pending is None:
             return
-        self.ledger.history[state["round"]] = RoundRecord(**state["record"])
-        self._drawn_clients = set(state["clients"])
-        self.asked = state.get("asked", True)
+        self.ledger.restore_round(pending["round"], RoundRecord(**pending["record"]))
+        self._drawn_clients = set(pending["clients"])
+        self.asked = pending.get("asked", True)
 
     def resolve(self, nodes: NodeDirectory) -> None:
         """After a resume: the drawn clients' current nodes (identified at the start)."""

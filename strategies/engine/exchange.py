@@ -58,8 +58,8 @@ def exchange(grid: Grid, messages: list[Message], timeout: float,
     3 s in a deployment, so each exchange would end on a 3 s boundary).
 
     At most ``in_flight`` messages (``max-in-flight``) wait for a reply at a time; the next go
-    out as replies come in. Flower 1.41's simulation scans every stored message for every node
-    ten times a second (``InMemoryLinkState.get_message_ins``), so 1,000 messages pushed at
+    out as replies come in. Flower's simulation (1.42) scans every stored message for every
+    node ten times a second (``InMemoryLinkState.get_message_ins``), so 1,000 messages pushed at
     once to 1,000 nodes cost it about a million checks a pass; a bounded window keeps that
     linear in the nodes."""
     if not messages:
@@ -121,19 +121,25 @@ class Messenger:
     # added to every train/evaluate message's config (a resumed run's lineage: server_app)
     message_config: dict[str, Any] = field(default_factory=dict)
 
+    def set_message_config(self, config: dict[str, Any]) -> None:
+        """Added to every train and evaluate message's config from now on."""
+        self.message_config = dict(config)
+
     def address(self, server_round: int, clients: dict[int, str | None], arrays: ArrayRecord,
-                message_type: str, config_round: int,
+                message_type: str, *, names_round: int | None = None,
                 evaluate_first: set[int] | frozenset[int] = frozenset(),
                 config: dict[str, Any] | None = None) -> list[Message]:
-        """One message per node (``clients``: node -> client id) with its own downlink, the
-        run's ``message_config``, this exchange's ``config`` (a DP run's clip norm) and
-        ``server-round = config_round`` (and, for the nodes in ``evaluate_first``, the
-        fused-evaluation flag); the arrays' bytes go into round ``server_round``'s downlink
-        count."""
+        """One message per node (``clients``: node -> client id) of round ``server_round``
+        (its bytes down go into that round's count) with its own downlink, the run's
+        ``message_config``, this exchange's ``config`` (a DP run's clip norm) and
+        ``server-round``: ``server_round``, or ``names_round`` (a rejoining client's
+        evaluation names the last completed round); for the nodes in ``evaluate_first``,
+        the fused-evaluation flag."""
         messages = [Message(RecordDict({   # a fresh RecordDict per node: never shared
             ARRAYS: self.downlink(server_round, client_id, arrays),
             CONFIG: ConfigRecord({**self.message_config, **(config or {}),
-                                  SERVER_ROUND: config_round,
+                                  SERVER_ROUND: (server_round if names_round is None
+                                                 else names_round),
                                   **({EVALUATE_FIRST: True} if node_id in evaluate_first
                                      else {})}),
         }), dst_node_id=node_id, message_type=message_type, group_id=str(server_round))

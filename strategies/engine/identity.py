@@ -134,11 +134,29 @@ class NodeDirectory:
         gone = [c for c, seen in self.last_seen.items()
                 if server_round - seen > self.expire_rounds]
         for client_id in gone:
-            del self.last_seen[client_id]
-            self.client_info.pop(client_id, None)
-            for node in [n for n, c in self.node_to_client.items() if c == client_id]:
-                del self.node_to_client[node]
+            self.forget(client_id)
         return gone
+
+    def forget(self, client_id: str) -> None:
+        """``client_id`` is no longer known: not heard from, not identified, on no node."""
+        self.last_seen.pop(client_id, None)
+        self.client_info.pop(client_id, None)
+        for node in [n for n, c in self.node_to_client.items() if c == client_id]:
+            del self.node_to_client[node]
+
+    def exclude(self, client_id: str) -> None:
+        """Keep ``client_id`` out of training and evaluation sampling from now on."""
+        self.excluded_clients.add(client_id)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self) -> dict[str, Any]:
+        """When each client id was last heard from (the rest is learnt again at the start:
+        the nodes are asked who they are)."""
+        return {"last_seen": self.last_seen}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.last_seen = {client: int(seen)
+                          for client, seen in state.get("last_seen", {}).items()}
 
     # ------------------------------------------------------------------ identify
     def identified(self, node_id: int, client_id: str, info: dict[str, Any]) -> None:

@@ -19,7 +19,6 @@ the accountant sees half the noise multiplier), with Flower's ``RdpAccountant``
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
@@ -43,7 +42,7 @@ from common.protocol import (
     NUM_PARTITIONS,
     ClientReply,
 )
-from strategies.engine.round_plan import draw_size
+from strategies.engine.sampling import Draw, draw_size
 from strategies.privacy import accounted_noise_multiplier, noised_mean, secret_rng
 
 # What results.json says of a local-DP run's figures (strategies/privacy.py: released_metrics):
@@ -81,19 +80,8 @@ class PrivacyLedger:
         # (the sampled RDP of one event costs about 1.5 s of CPU, its multiples nothing)
         self.releases: dict[int, int] = {}
         self._rng = secret_rng() if rng is None else rng  # a seeded one: tests only
-        # this round's draw (ids, eligible) and merge, for its accounting and report
-        self._drawn: tuple[list[str], int] = ([], 0)
-        self._merged: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ before a round
-    def sampler(self) -> random.Random:
-        """What draws the round's clients: a secret draw under central DP (subsampling
-        amplifies only when nobody can tell who was drawn), else a generator of the run's
-        own, seeded with ``seed``. Never the module's global one: Flower's heartbeat thread
-        draws from it at times that vary between runs, which made a run's draws vary too."""
-        return (random.SystemRandom() if self.mode == "central"
-                else random.Random(self.settings.seed))
-
     def message_config(self) -> dict[str, float]:
         """What every train message carries: this round's clip norm."""
         return {DP_CLIP_NORM: self.clip_norm} if self.mode else {}
@@ -115,15 +103,14 @@ class PrivacyLedger:
         """The clients a round draws when all ``N`` are eligible."""
         return draw_size(self.population, self.settings.fraction_train)
 
-    def round_drawn(self, drawn: list[str], eligible: int) -> None:
-        """The round's draw (``drawn``: an id per node drawn, of ``eligible``), before any
-        message goes out; raises ``BudgetSpentError`` when the round would spend more than
+    def check_budget(self, draw: Draw | tuple[list[str], int]) -> None:
+        """Before any message of a round goes out (``draw``: its plan's, ``RoundPlan.draw``):
+        raise ``BudgetSpentError`` when the round would spend more than
         ``dp.target-epsilon``."""
-        self._drawn = (list(drawn), eligible)
         target = self.settings.dp_target_epsilon
         if not self.mode or target == 0:
             return
-        projected = self.epsilon(self._drawn)
+        projected = self.epsilon(draw)
         if projected > target:
             raise BudgetSpentError(f"dp.target-epsilon={target}: the next round would spend "
                               f"epsilon {projected:.3f} at delta {self.delta():.3g}")
@@ -134,25 +121,27 @@ class PrivacyLedger:
         return min(self.population, math.ceil(drawn * self.population / max(eligible, 1)))
 
     # ------------------------------------------------------------------ merge (central)
-    def merge(self, replies: list[ClientReply], keys: list[str],
-              reference: ArrayRecord) -> ArrayRecord:
+    def merge(self, replies: list[ClientReply], keys: list[str], reference: ArrayRecord,
+              drawn: int, dtype: np.dtype | None = None
+              ) -> tuple[ArrayRecord, dict[str, Any]]:
         """Central DP's merge of the whole uplink: the clipped updates' sum plus noise, over
-        the number of clients drawn (a drawn client whose update did not arrive counts as a
-        zero update: a drop reveals nothing through the mean); adaptive clipping then moves
-        the clip norm."""
+        the ``drawn`` clients of the round (a drawn client whose update did not arrive counts
+        as a zero update: a drop reveals nothing through the mean); adaptive clipping then
+        moves the clip norm. Returns the merged arrays (in ``dtype``, else each reference
+        array's own) and the merge's clipping, for the round's ``account``."""
         for reply in replies:
             if set(reply.arrays.keys()) != set(keys):
                 raise RuntimeError("dp.mode='central' needs one merge of the whole uplink "
                                    f"(merging {sorted(keys)[:3]}... of {len(keys)} keys)")
-        drawn = max(len(self._drawn[0]), len(replies))
+        drawn = max(drawn, len(replies))
         noise_multiplier, count_std = self._noise_multipliers()
         start = [reference[k].numpy().astype(np.float64) for k in keys]
         merged, clipped_here = noised_mean(
             [[r.arrays[k].numpy() for k in keys] for r in replies], start, self.clip_norm,
             noise_multiplier * self.clip_norm, self._rng, drawn)
         clipped = sum(float(r.metrics.get(DP_CLIPPED, 0.0)) for r in replies)
-        self._merged = {"clip_norm": self.clip_norm, "clipped_fraction": clipped / len(replies),
-                        "clipped_by_server": clipped_here}
+        note = {"clip_norm": self.clip_norm, "clipped_fraction": clipped / len(replies),
+                "clipped_by_server": clipped_here}
         if self.settings.dp_adaptive_clipping:
             # Andrew et al.'s step over the clients drawn, a fixed denominator: a drawn client
             # whose update did not arrive counts as the mean counts it, a zero update, which
@@ -161,8 +150,9 @@ class PrivacyLedger:
             unclipped = drawn - clipped + self._rng.normal(0.0, count_std)
             self.clip_norm *= math.exp(-self.settings.dp_clip_lr * (
                 unclipped / drawn - self.settings.dp_target_quantile))
-        return ArrayRecord({k: Array(values.astype(reference[k].numpy().dtype))
-                            for k, values in zip(keys, merged, strict=True)})
+        return ArrayRecord({k: Array(values.astype(
+            reference[k].numpy().dtype if dtype is None else dtype))
+            for k, values in zip(keys, merged, strict=True)}), note
 
     def _noise_multipliers(self) -> tuple[float, float]:
         """(the updates' noise multiplier, the clipped count's standard deviation): with
@@ -183,22 +173,22 @@ class PrivacyLedger:
         return update_z, count_std
 
     # ------------------------------------------------------------------ after a round
-    def account(self, merged: bool) -> dict[str, Any] | None:
-        """Compose the round's releases (its draw: ``round_drawn``); its ``privacy`` entry
+    def account(self, draw: Draw | tuple[list[str], int], merged: bool,
+                note: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Compose the round's releases (``draw``: its plan's; ``merged``: whether the shared
+        model changed, ``note``: the clipping its ``merge`` returned); its ``privacy`` entry
         for results.json."""
         if not self.mode:
             return None
-        drawn, eligible = self._drawn
-        note = None
+        drawn, eligible = draw
         if self.mode == "local":
             for client in drawn:  # every drawn client sent (or may have sent) an update
                 self.participations[client] = self.participations.get(client, 0) + 1
         elif merged:
             sample = self._accounted_sample(len(drawn), eligible)
             self.releases[sample] = self.releases.get(sample, 0) + 1
-            note = self._merged
-        self._merged = {}
-        return self.spent(note)
+            return self.spent(note)
+        return self.spent()
 
     def spent(self, note: dict[str, Any] | None = None) -> dict[str, Any]:
         """The ``privacy`` entry of results.json as the releases stand: epsilon at delta, and

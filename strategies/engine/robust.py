@@ -41,6 +41,16 @@ class ExampleCounts:
     def __init__(self) -> None:
         self.pinned: dict[str, dict[str, int]] = {}
 
+    def forget(self, client_id: str) -> None:
+        """An expired client id: its next report is a first one."""
+        self.pinned.pop(client_id, None)
+
+    def state(self) -> dict[str, dict[str, int]]:
+        return self.pinned
+
+    def restore(self, state: dict[str, dict[str, int]]) -> None:
+        self.pinned = {client: dict(counts) for client, counts in state.items()}
+
     def bound(self, stage: str, replies: list[ClientReply]) -> list[ClientReply]:
         """The replies, each whose ``num-examples`` exceeds its client's first report of
         ``stage`` replaced by a copy carrying that first report (the replies given are left
@@ -88,16 +98,19 @@ def combine(uploads: list[Mapping[str, np.ndarray]], weights: list[float],
 
 
 def aggregate(replies: list[ClientReply], keys: list[str], reference: ArrayRecord,
-              settings: RunSettings, uniform: bool = False) -> ArrayRecord:
+              settings: RunSettings, uniform: bool = False,
+              dtype: np.dtype | None = None) -> ArrayRecord:
     """``keys`` of the replies' arrays aggregated by the run's rule: Flower's
     ``aggregate_arrayrecords`` for the plain mean (weighted by examples, or every client once
-    when ``uniform``), else ``combine``."""
+    when ``uniform``), else ``combine``; with ``dtype`` (float64: a mean a method goes on
+    computing with), ``combine`` for every rule, the arrays in that dtype."""
     weights = [1 if uniform else r.num_examples for r in replies]
-    if is_plain_mean(settings):
+    if is_plain_mean(settings) and dtype is None:
         return aggregate_arrayrecords([RecordDict({
             ARRAYS: ArrayRecord({k: r.arrays[k] for k in keys}),
             METRICS: MetricRecord({WEIGHT: weight})})
             for r, weight in zip(replies, weights, strict=True)], WEIGHT)
     merged = combine([{k: r.arrays[k].numpy() for k in keys} for r in replies], weights,
                      {k: reference[k].numpy() for k in keys}, settings)
-    return ArrayRecord({k: Array(merged[k].astype(reference[k].numpy().dtype)) for k in keys})
+    return ArrayRecord({k: Array(merged[k].astype(
+        reference[k].numpy().dtype if dtype is None else dtype)) for k in keys})

@@ -2,14 +2,16 @@
 server rule (``rule.MethodRule``).
 
 A round, as ``plan_round`` (stages 1-2) and ``train_round`` (3-7) run it (the ServerApp's
-loop, with checkpoints, is ``server_app/rounds.py``):
+loop, with checkpoints, is ``server_app/rounds.py``; it calls ``run_round``: ``train_round``,
+then in the two-exchange protocol the round's evaluate exchange):
 
-1. **expire** client ids not heard from for ``identity.expire-rounds``; the rule's
-   ``start_round``;
+1. **expire** client ids not heard from for ``identity.expire-rounds`` (each collaborator's
+   ``forget``);
 2. **plan**: wait for ``min-nodes``, identify newcomers (``Admission``: identify queries, a
-   rejoining client's evaluation), draw a ``fraction-train`` share (a secret draw under
-   central DP: ``PrivacyLedger.sampler``), and take the evaluation drawn at the end of the
-   last round: a ``round_plan.RoundPlan`` (who trains, who evaluates which round);
+   rejoining client's evaluation), draw a ``fraction-train`` share (``sampling.Sampler``: a
+   secret draw under central DP), and take the evaluation drawn at the end of the last
+   round: a ``round_plan.RoundPlan`` (who trains, who evaluates which round, and the draw
+   the privacy accountant counts, checked against the budget here);
 3. **address**: one message per node with its own ``downlink`` (``Messenger``); with fused
    evaluation the plan's evaluators that train evaluate first, the others get an evaluate
    message in the same exchange;
@@ -20,21 +22,26 @@ loop, with checkpoints, is ``server_app/rounds.py``):
    fault; record the evaluated round's scores (``PendingEvaluation``: that
    round's record is now complete); stop the run if every reply failed the same way;
 6. **merge** (the rule's ``merge_updates``; under central DP its mean is the noised one of
-   ``PrivacyLedger.merge``) and record the round (``RoundLedger``: bytes, CPU, drops, loss;
-   ``PrivacyLedger.account``: the privacy spent); stop the run if training diverged
+   ``PrivacyLedger.merge`` over the plan's draw, which returns its clipping) and record the
+   round (``RoundLedger``: bytes, CPU, drops, loss; ``PrivacyLedger.account`` of the plan's
+   draw and the merge's clipping: the privacy spent); stop the run if training diverged
    everywhere (``DivergenceWatch``);
 7. **draw** the clients that evaluate this round (fused evaluation: asked next round; a round
    that ``evaluate-every`` skips is drawn for and not asked).
 
 The engine builds its collaborators and passes them to each other; the rule sees the run
-through a ``RuleContext``. What the ServerApp uses is the public face below the stages: the
-round's record, the server state for results.json, the checkpoint snapshot and its restore,
-and the message config.
+through a ``RuleContext``. No collaborator changes another's attributes (a test walks these
+modules): what a later stage needs travels in the plan or comes back from the stage that
+produced it, and each collaborator with state offers ``forget(client_id)`` and
+``state()`` / ``restore(state)``, which the engine composes into the checkpoint's snapshot
+(one key each: ``nodes``, ``evaluation``, ``example_counts``, ``rule``, ``privacy``,
+``random``). What the ServerApp uses is the public face below the stages: the round's record,
+the server state for results.json, the checkpoint snapshot and its restore, and the message
+config.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from logging import INFO, WARNING
 from typing import Any, Generic
@@ -54,15 +61,9 @@ from strategies.engine.identity import NodeDirectory
 from strategies.engine.privacy import PrivacyLedger
 from strategies.engine.replies import DivergenceWatch, ReplyCheck, stop_if_every_reply_failed
 from strategies.engine.robust import ExampleCounts
-from strategies.engine.round_plan import (
-    Drawn,
-    RoundOutcome,
-    RoundPlan,
-    RoundReplies,
-    draw_size,
-    read_round,
-)
+from strategies.engine.round_plan import RoundOutcome, RoundPlan, RoundReplies, read_round
 from strategies.engine.rule import MethodRule, RuleContext
+from strategies.engine.sampling import Draw, Drawn, Sampler
 from strategies.wire import WireSpec
 
 
@@ -79,7 +80,7 @@ class RoundEngine(Generic[MethodSettingsT]):
         self.nodes = NodeDirectory(settings)
         self.example_counts = ExampleCounts()
         self.privacy = PrivacyLedger(settings)
-        self.sampler = self.privacy.sampler()
+        self.sampler = Sampler(settings)
         self.replies = ReplyCheck(settings, self.ledger, self.nodes, self.example_counts)
         self.divergence = DivergenceWatch(settings.min_nodes)
         # the rule is built last (it needs the context), and reached through these two
@@ -90,8 +91,9 @@ class RoundEngine(Generic[MethodSettingsT]):
                                    self.ledger, self.evaluation,
                                    lambda *args: self.rule.client_identified(*args),
                                    self.privacy)
-        self.rule = rule(RuleContext(settings, wire, self.ledger, self.nodes, self.replies,
-                                     self.messenger, self.privacy))
+        self.context = RuleContext(settings, wire, self.ledger, self.nodes, self.replies,
+                                   self.messenger, self.privacy)
+        self.rule = rule(self.context)
 
     # ------------------------------------------------------------------ public face
     def round_record(self, server_round: int) -> RoundRecord:
@@ -113,7 +115,7 @@ class RoundEngine(Generic[MethodSettingsT]):
     def set_message_config(self, config: dict[str, Any]) -> None:
         """Added to every train and evaluate message's config from now on (a resumed run's
         lineage: ``server_app/app.py``)."""
-        self.messenger.message_config = dict(config)
+        self.messenger.set_message_config(config)
 
     # ------------------------------------------------------------------ the run
     def identify(self, grid: Grid, first_round: int = 1) -> None:
@@ -130,14 +132,25 @@ class RoundEngine(Generic[MethodSettingsT]):
         more privacy than ``dp.target-epsilon``."""
         with self.ledger.server_cpu(server_round):
             self.forget_expired(server_round)
-            self.rule.start_round(server_round)
             eligible = self.admit(grid, server_round, arrays, MessageType.TRAIN)
             trainers = self.draw(eligible, self.settings.fraction_train)
-            self.privacy.round_drawn([c or f"node-{n}" for n, c in trainers.items()],
-                                     len(eligible))  # raises BudgetSpentError past the target
+            # raises BudgetSpentError past the target, the evaluation drawn still pending
+            self.privacy.check_budget(Draw.of(trainers, len(eligible)))
             evaluators = self.evaluation.take()
             return RoundPlan(server_round, trainers, evaluators or {},
-                             None if evaluators is None else server_round - 1)
+                             None if evaluators is None else server_round - 1, len(eligible))
+
+    def run_round(self, grid: Grid, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
+        """``plan``'s round as the run's protocol has it: ``train_round``, then, with
+        ``fused-evaluation = false``, the round's evaluate exchange (``evaluate_round``, of
+        the arrays it produced); the new shared arrays, and every round whose record is now
+        complete, in order."""
+        outcome = self.train_round(grid, plan, arrays)
+        if self.settings.fused_evaluation:
+            return outcome
+        evaluated = self.evaluate_round(grid, plan.round,
+                                        arrays if outcome.arrays is None else outcome.arrays)
+        return RoundOutcome(outcome.arrays, (*outcome.completed, evaluated))
 
     def train_round(self, grid: Grid, plan: RoundPlan, arrays: ArrayRecord) -> RoundOutcome:
         """Stages 3-7 of ``plan``'s round (module docstring): the new shared arrays, and the
@@ -145,12 +158,12 @@ class RoundEngine(Generic[MethodSettingsT]):
         server_round = plan.round
         with self.ledger.server_cpu(server_round):
             messages = self.messenger.address(server_round, plan.trainers, arrays,
-                                              MessageType.TRAIN, server_round,
+                                              MessageType.TRAIN,
                                               evaluate_first=plan.evaluating_trainers(),
                                               config=self.privacy.message_config())
             if plan.evaluated is not None:
                 messages += self.messenger.address(plan.evaluated, plan.evaluating_only(),
-                                                   arrays, MessageType.EVALUATE, plan.evaluated)
+                                                   arrays, MessageType.EVALUATE)
         batch = self.messenger.send(grid, messages)
         with self.ledger.server_cpu(server_round):
             replies = self.read(plan, batch)
@@ -162,8 +175,8 @@ class RoundEngine(Generic[MethodSettingsT]):
                                               *replies.fused_evaluations])
             stop_if_every_reply_failed(f"training of round {server_round}", server_round,
                                        batch, self.settings.min_nodes)
-            updated = self.merge(server_round, replies.updates, arrays)
-            spent = self.privacy.account(updated is not None)
+            updated, note = self.merge(plan, replies.updates, arrays)
+            spent = self.privacy.account(plan.draw(), updated is not None, note)
             if spent is not None:
                 self.ledger.report(server_round, "privacy", spent)
             self.divergence.after_round(server_round, self.ledger.record(server_round),
@@ -196,7 +209,7 @@ class RoundEngine(Generic[MethodSettingsT]):
                 self.evaluation.draw(clients, asked=False)
                 return server_round
             messages = self.messenger.address(server_round, clients, arrays,
-                                              MessageType.EVALUATE, server_round)
+                                              MessageType.EVALUATE)
         batch = self.messenger.send(grid, messages)
         with self.ledger.server_cpu(server_round):
             valid = self.replies.valid(server_round, "evaluate", batch,
@@ -212,12 +225,11 @@ class RoundEngine(Generic[MethodSettingsT]):
     def forget_expired(self, server_round: int) -> None:
         """Drop the per-client tables of client ids not heard from for
         ``identity.expire-rounds`` rounds."""
-        expired = self.nodes.expire(server_round)
+        expired = self.nodes.expire(server_round)  # the directory forgets them itself
         for client_id in expired:
-            self.evaluation.per_client_accuracy.pop(client_id, None)
-            for name in self.rule.client_tables:
-                getattr(self.rule, name).pop(client_id, None)
-            self.example_counts.pinned.pop(client_id, None)
+            self.evaluation.forget(client_id)
+            self.example_counts.forget(client_id)
+            self.rule.forget(client_id)
             log(INFO, "round %d: client id %s expired (not heard from for %d rounds)",
                 server_round, client_id, self.settings.expire_rounds)
         if expired:
@@ -242,8 +254,7 @@ class RoundEngine(Generic[MethodSettingsT]):
 
     def draw(self, eligible: list[int], fraction: float) -> Drawn:
         """A ``fraction`` of the ``eligible`` nodes (at least one), by the run's sampler."""
-        node_ids = self.sampler.sample(eligible, draw_size(len(eligible), fraction))
-        return {n: self.nodes.client_of(n) for n in node_ids}
+        return {n: self.nodes.client_of(n) for n in self.sampler.draw(eligible, fraction)}
 
     def read(self, plan: RoundPlan, batch: Exchange) -> RoundReplies:
         """The replies of ``plan``'s exchange, each read once (``round_plan.read_round``):
@@ -255,22 +266,26 @@ class RoundEngine(Generic[MethodSettingsT]):
         masks = self.rule.uplink_rows()
         return lambda reply: self.wire.uplink_spec(reply.info, masks)
 
-    def merge(self, server_round: int, valid: list[ClientReply], arrays: ArrayRecord
-              ) -> ArrayRecord | None:
+    def merge(self, plan: RoundPlan, valid: list[ClientReply], arrays: ArrayRecord
+              ) -> tuple[ArrayRecord | None, dict[str, Any] | None]:
         """The rule's ``merge_updates`` over the valid replies and the arrays the round
-        started from, and the round's train loss."""
+        started from (under central DP over the clients ``plan`` drew), and the round's train
+        loss; the new shared arrays (None: no valid reply) and the clipping of the central-DP
+        merge (None: none)."""
+        server_round = plan.round
         if not valid:
             log(WARNING, "round %d: no valid train reply; the shared model is unchanged",
                 server_round)
-            return None
-        updated = self.rule.merge_updates(server_round, valid, arrays)
+            return None, None
+        with self.context.merging(len(plan.trainers)) as notes:
+            updated = self.rule.merge_updates(server_round, valid, arrays)
         train: dict[str, Any] = {"num_clients": len(valid)}
         if all("train-loss" in r.metrics for r in valid):  # withheld under local DP
             total = sum(r.num_examples for r in valid)
             train["loss"] = sum(float(r.metrics["train-loss"]) * r.num_examples
                                 for r in valid) / total
-        self.ledger.record(server_round).train = train
-        return updated
+        self.ledger.record_train(server_round, train)
+        return updated, notes[-1] if notes else None
 
     def after_training(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
         """The rule's work after the last round; what it returns goes into results.json."""
@@ -278,32 +293,46 @@ class RoundEngine(Generic[MethodSettingsT]):
 
     # ------------------------------------------------------------------ checkpoint
     def snapshot(self, server_round: int) -> dict[str, Any]:
-        """Everything the engine needs to continue a run after ``server_round``: every
-        client's latest accuracy, the rule's ``checkpointed`` tables, when each client id
-        was last heard from, the pinned example counts (``strategy``), the evaluation drawn
-        and not yet asked (``pending_evaluation``), and the sampler's state (``random``; a
-        secret draw under central DP has none)."""
-        secret = isinstance(self.sampler, random.SystemRandom)
-        return {"strategy": {
-                    "per_client_accuracy": self.evaluation.per_client_accuracy,
-                    **{name: getattr(self.rule, name) for name in self.rule.checkpointed},
-                    "last_seen": self.nodes.last_seen,
-                    "example_counts": self.example_counts.pinned},
-                "pending_evaluation": self.evaluation.state(server_round),
-                **({} if secret else {"random": self.sampler.getstate()}),
+        """Everything the engine needs to continue a run after ``server_round``, one key per
+        collaborator's ``state()``: when each client id was last heard from (``nodes``),
+        every client's latest accuracy and the evaluation drawn and not yet asked
+        (``evaluation``), the pinned example counts (``example_counts``), the rule's own
+        record (``rule``), the privacy spent (``privacy``, a DP run) and the sampler's state
+        (``random``; a secret draw under central DP has none)."""
+        sampler = self.sampler.state()
+        return {"nodes": self.nodes.state(),
+                "evaluation": self.evaluation.state(server_round),
+                "example_counts": self.example_counts.state(),
+                "rule": dict(self.rule.state()),
+                **({} if sampler is None else {"random": sampler}),
                 **({"privacy": self.privacy.state()} if self.privacy.mode else {})}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
-        """Continue from a ``snapshot`` (read back from a checkpoint)."""
-        state = snapshot["strategy"]
-        self.evaluation.per_client_accuracy = dict(state["per_client_accuracy"])
-        for name in self.rule.checkpointed:
-            setattr(self.rule, name, state[name])
-        self.nodes.last_seen = dict(state.get("last_seen", {}))
-        self.example_counts.pinned = dict(state.get("example_counts", {}))
+        """Continue from a ``snapshot`` (read back from a checkpoint; one of the layout
+        before the ``rule`` key is read too)."""
+        snapshot = _current_layout(snapshot)
+        self.nodes.restore(snapshot["nodes"])
+        self.evaluation.restore(snapshot["evaluation"])
+        self.example_counts.restore(snapshot["example_counts"])
+        self.rule.restore(snapshot["rule"])
         self.rule.tables_changed()
-        self.evaluation.restore(snapshot.get("pending_evaluation"))
         self.privacy.restore(snapshot.get("privacy"))
-        if "random" in snapshot and not isinstance(self.sampler, random.SystemRandom):
-            version, state, gauss = snapshot["random"]
-            self.sampler.setstate((version, tuple(state), gauss))
+        self.sampler.restore(snapshot.get("random"))
+
+
+# the engine's own keys in the snapshot's one "strategy" dict, before each collaborator had
+# its key (the rest of that dict was the rule's attributes, by name)
+_ENGINE_KEYS_BEFORE = ("per_client_accuracy", "last_seen", "example_counts")
+
+
+def _current_layout(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of the layout before (``strategy``, ``pending_evaluation``) as today's."""
+    if "strategy" not in snapshot:
+        return snapshot
+    old = snapshot["strategy"]
+    return {**snapshot,
+            "nodes": {"last_seen": old.get("last_seen", {})},
+            "evaluation": {"per_client_accuracy": old.get("per_client_accuracy", {}),
+                           "pending": snapshot.get("pending_evaluation")},
+            "example_counts": old.get("example_counts", {}),
+            "rule": {k: v for k, v in old.items() if k not in _ENGINE_KEYS_BEFORE}}

@@ -46,15 +46,7 @@ from strategies.engine.replies import (
     reason_of,
     with_checked_arrays,
 )
-
-Drawn = dict[int, str | None]
-"""node -> client id (None: a node not identified yet)."""
-
-
-def draw_size(eligible: int, fraction: float) -> int:
-    """How many of ``eligible`` nodes a round draws at ``fraction``: rounded down, as
-    Flower's own strategies sample, but at least one and at most all."""
-    return min(eligible, max(int(eligible * fraction), 1))
+from strategies.engine.sampling import Draw, Drawn
 
 
 @dataclass(frozen=True)
@@ -70,6 +62,12 @@ class RoundPlan:
     evaluated: int | None
     """The round whose evaluation this exchange completes (None: no evaluation was
     pending: the two-exchange protocol, the run's first round, or after a finished run)."""
+    eligible: int = 0
+    """How many nodes the trainers were drawn from (0: as many as were drawn)."""
+
+    def draw(self) -> Draw:
+        """The trainers' draw as the privacy accountant counts it (``PrivacyLedger``)."""
+        return Draw.of(self.trainers, self.eligible)
 
     def evaluating_trainers(self) -> set[int]:
         """The trainers that evaluate first (the fused-evaluation flag of their message)."""

@@ -3,20 +3,23 @@
 The engine (``round_engine.RoundEngine``) runs the rounds and holds a ``MethodRule``; it calls
 the rule's hooks at fixed points of a round, in this order:
 
-1. ``start_round(round)``: before the round's messages are built;
-2. ``client_identified(client_id, info)``: a node said who it is (at the preflight, or when it
+1. ``client_identified(client_id, info)``: a node said who it is (at the preflight, or when it
    joins later);
-3. ``downlink(round, client_id, arrays)``: what one client receives (its bytes are counted);
-4. ``uplink_rows()``: the row masks this round's uplinks are cut to (None: whole tensors);
+2. ``downlink(round, client_id, arrays)``: what one client receives (its bytes are counted);
+3. ``uplink_rows()``: the row masks this round's uplinks are cut to (None: whole tensors);
    every train reply is checked against ``wire.uplink_spec(info, masks)``;
-5. ``merge_updates(round, replies, arrays)``: the new shared arrays from the round's valid
+4. ``merge_updates(round, replies, arrays)``: the new shared arrays from the round's valid
    train replies (in client order) and the arrays the round started from;
-6. ``after_last_round(grid, arrays)``: work after the last round (FedFac's new clients); what it
+5. ``after_last_round(grid, arrays)``: work after the last round (FedFac's new clients); what it
    returns goes into results.json.
 
-Besides: ``tables_changed()`` (the ``checkpointed`` tables were restored, or a client id
-expired and left the ``client_tables``: rebuild what is derived from them) and
-``results_tables()`` (per-client tables shown under ``server_state`` in results.json).
+Besides, the rule's own state, as every collaborator of the engine offers it: ``state()``
+(what the checkpoint keeps of the rule, under its own key ``"rule"``: a record of NumPy
+arrays, ``ArrayRecord``s and JSON values, common/durable.py) and ``restore(state)`` (on
+resume), ``forget(client_id)`` (a client id expired, ``identity.expire-rounds``: drop what
+is kept of it); ``tables_changed()`` (after a restore, and after the engine forgot expired
+client ids: rebuild what is derived from the tables) and ``results_tables()`` (per-client
+tables shown under ``server_state`` in results.json).
 
 ``MethodRule``'s defaults are FedAvg's: every shared array goes down as it is and comes back
 merged by the run's ``aggregation.*`` rule (by default the example-weighted mean). A method
@@ -25,9 +28,11 @@ overrides the hooks it needs and reaches the run only through its ``RuleContext`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Generic
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp import Grid
 
@@ -61,20 +66,39 @@ class RuleContext(Generic[MethodSettingsT]):
         self._replies = replies
         self._messenger = messenger
         self._privacy = privacy
+        self._merge: tuple[int, list[dict[str, Any]]] | None = None  # inside ``merging``
 
     def report(self, server_round: int, name: str, value: Any) -> None:
         """A per-round value of the method, a field of that round's entry in results.json."""
         self._ledger.report(server_round, name, value)
 
     def aggregate(self, replies: list[ClientReply], keys: list[str], reference: ArrayRecord,
-                  uniform: bool = False) -> ArrayRecord:
+                  uniform: bool = False, dtype: np.dtype | None = None) -> ArrayRecord:
         """``keys`` of the replies' arrays by the run's ``aggregation.*`` rule (``reference``:
         the arrays the round started from, for update clipping; ``uniform``: every client
-        counts once instead of by its examples). Under ``dp.mode = "central"``: the noised
-        mean of the clipped updates (``keys`` must then be the whole uplink)."""
+        counts once instead of by its examples; ``dtype``: the merged arrays' dtype, float64
+        for a mean the rule goes on computing with, else each reference array's). Under
+        ``dp.mode = "central"``: the noised mean of the clipped updates over the clients the
+        round drew (``keys`` must then be the whole uplink; outside the engine's round, over
+        the replies)."""
         if self.settings.dp_mode == "central":
-            return self._privacy.merge(replies, keys, reference)
-        return aggregate(replies, keys, reference, self.settings, uniform)
+            drawn, notes = self._merge or (len(replies), [])
+            merged, note = self._privacy.merge(replies, keys, reference, drawn, dtype)
+            notes.append(note)
+            return merged
+        return aggregate(replies, keys, reference, self.settings, uniform, dtype)
+
+    @contextmanager
+    def merging(self, drawn: int) -> Iterator[list[dict[str, Any]]]:
+        """The scope of one round's merge (``RoundEngine.merge``), whose round drew ``drawn``
+        clients; yields the list that each central-DP merge inside it adds its clipping to
+        (for the round's privacy entry)."""
+        notes: list[dict[str, Any]] = []
+        self._merge = (drawn, notes)
+        try:
+            yield notes
+        finally:
+            self._merge = None
 
     # ------------------------------------------------------------------ clients
     def known_clients(self) -> set[str]:
@@ -87,7 +111,7 @@ class RuleContext(Generic[MethodSettingsT]):
 
     def hold_out(self, client_id: str) -> None:
         """Keep ``client_id`` out of training and evaluation sampling from now on."""
-        self._nodes.excluded_clients.add(client_id)
+        self._nodes.exclude(client_id)
 
     def query(self, grid: Grid, action: str, clients: Iterable[str],
               arrays: ArrayRecord | Callable[[str], ArrayRecord] | None,
@@ -118,22 +142,15 @@ class RuleContext(Generic[MethodSettingsT]):
 class MethodRule(Generic[MethodSettingsT]):
     """FedAvg's server rule; a method's rule overrides the hooks it needs (module docstring).
 
-    ``checkpointed``: attributes saved in the server checkpoint and restored on resume (the
-    method's per-client tables; NumPy arrays, ``ArrayRecord``s and JSON values:
-    common/durable.py). ``client_tables``: those of them keyed by client id, bounded like the
-    node directory's tables (``identity.max-clients``) and forgotten when a client id expires
-    (``identity.expire-rounds``)."""
-
-    checkpointed: tuple[str, ...] = ()
-    client_tables: tuple[str, ...] = ()
+    A rule with state of its own (per-client tables, a split) declares it as a typed record
+    (a ``TypedDict``) returned by ``state()`` and read back by ``restore``; tables keyed by
+    client id are bounded like the node directory's (``identity.max-clients``) and lose an
+    expired client id in ``forget``."""
 
     def __init__(self, run: RuleContext[MethodSettingsT]) -> None:
         self.run = run
         self.settings = run.settings
         self.wire = run.wire
-
-    def start_round(self, server_round: int) -> None:
-        return None
 
     def client_identified(self, client_id: str, info: dict[str, Any]) -> None:
         return None
@@ -150,6 +167,15 @@ class MethodRule(Generic[MethodSettingsT]):
         return self.run.aggregate(replies, list(arrays.keys()), arrays)
 
     def after_last_round(self, grid: Grid, arrays: ArrayRecord) -> dict[str, Any] | None:
+        return None
+
+    def state(self) -> Mapping[str, Any]:
+        return {}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        return None
+
+    def forget(self, client_id: str) -> None:
         return None
 
     def tables_changed(self) -> None:

@@ -17,7 +17,8 @@ clients each average is taken over).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypedDict
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -60,6 +61,12 @@ def matching_weights(vectors: dict[str, np.ndarray], tau: float, epsilon: float,
 MATRIX_IN_RESULTS = 20
 
 
+class FactorizedFLState(TypedDict):
+    """What the checkpoint keeps of Factorized-FL's server: each client id's latest upload."""
+
+    latest: dict[str, dict[str, np.ndarray]]
+
+
 class FactorizedFLRule(MethodRule[FactorizedFLSettings]):
     """Per round the similarities and weights of all known clients (one matrix product), but
     a client's weighted average only when it is sent to that client (``downlink``): with 1,000
@@ -67,8 +74,6 @@ class FactorizedFLRule(MethodRule[FactorizedFLSettings]):
     table of personal models. Every average is taken over the same snapshot as before
     (``latest`` changes only in ``merge_updates``), so what a client receives is the same."""
 
-    checkpointed = ("latest",)
-    client_tables = ("latest",)
     wire: FactorsShared
 
     def __init__(self, run: RuleContext[FactorizedFLSettings]) -> None:
@@ -77,6 +82,15 @@ class FactorizedFLRule(MethodRule[FactorizedFLSettings]):
         self._snapshot: tuple[dict[str, int], np.ndarray] | None = None  # rows, weights
         self._stacked: dict[str, np.ndarray] = {}  # key -> (clients, size), this snapshot
         self._personal: dict[str, ArrayRecord] = {}  # downlinks built from this snapshot
+
+    def state(self) -> FactorizedFLState:
+        return {"latest": self.latest}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.latest = dict(state["latest"])
+
+    def forget(self, client_id: str) -> None:
+        self.latest.pop(client_id, None)
 
     def merge_updates(self, server_round: int, replies: list[ClientReply],
                       arrays: ArrayRecord) -> ArrayRecord:

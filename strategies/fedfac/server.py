@@ -25,19 +25,22 @@ the analysed layers whole every round (the analysis needs them); personal rows a
 averaged nor sent down.
 
 Aggregation: shared elements of the analysed layers and every other shared key (FedAvg's keys)
-are example-weighted means, applied with a global learning rate ``fedfac.server-lr``:
-``w <- w + lr * (mean - w)``. Downlink: the analysed layers' shared rows plus the split as
-``fedfac.mask.<layer>`` (uint8) arrays; clients put the shared rows in place and keep their own
-personal rows. Per round, ``results.json`` has ``fedfac``: per layer the shared element
-indices, counts, number of factors, the fraction of elements that kept their state from the
-previous round, and the analysis time.
+are merged by the run's rule, as every method's (``RuleContext.aggregate``: the
+``aggregation.*`` rule, by default the example-weighted mean, in float64), applied with a
+global learning rate ``fedfac.server-lr``: ``w <- w + lr * (mean - w)``. Downlink: the
+analysed layers' shared rows plus the split as ``fedfac.mask.<layer>`` (uint8) arrays; clients
+put the shared rows in place and keep their own personal rows. Per round, ``results.json``
+has ``fedfac``: per layer the shared element indices, counts, number of factors, the fraction
+of elements that kept their state from the previous round, and the analysis time.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 from logging import INFO
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -53,7 +56,7 @@ from common.protocol import (
     client_order,
 )
 from fldata import synthetic_generator
-from strategies.engine import AFTER_TRAINING, MethodRule, RuleContext, combine
+from strategies.engine import AFTER_TRAINING, MethodRule, RuleContext
 from strategies.fedfac.spec import MEMBER_PREFIX, FedFacSettings, SharedRows
 from strategies.wire import Masks
 
@@ -155,8 +158,15 @@ class ReferenceSplit:
 
 
 # ---------------------------------------------------------------------- server
+class FedFacState(TypedDict):
+    """What the checkpoint keeps of FedFac's server: the split (None: not made yet) and the
+    last analysis's communalities (dynamic mode's warm start), per analysed layer."""
+
+    split: dict[str, np.ndarray] | None
+    communalities: dict[str, np.ndarray]
+
+
 class FedFacRule(MethodRule[FedFacSettings]):
-    checkpointed = ("split", "communalities")
     wire: SharedRows
 
     def __init__(self, run: RuleContext[FedFacSettings]) -> None:
@@ -167,6 +177,13 @@ class FedFacRule(MethodRule[FedFacSettings]):
         first = self.wire.layers[0]
         self.reference = ReferenceSplit(self.settings, first,
                                         self.wire.shared_spec[f"{first}.weight"][0][0])
+
+    def state(self) -> FedFacState:
+        return {"split": self.split, "communalities": self.communalities}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.split = None if state["split"] is None else dict(state["split"])
+        self.communalities = dict(state["communalities"])
 
     def sliced_uplink(self) -> bool:
         """Whether the clients send only the shared rows: in static mode, once the split is
@@ -222,15 +239,18 @@ class FedFacRule(MethodRule[FedFacSettings]):
                 else self.split[layer_of_key[key]] for key in arrays}
         cut = {key: slice(None) if sliced else rows[key] for key in rows}
         old = {key: value.numpy() for key, value in arrays.items()}
-        # the shared rows by the run's aggregation rule (default: example-weighted mean)
-        mean = combine([{k: r.arrays[k].numpy()[cut[k]] for k in rows} for r in replies],
-                       [r.num_examples for r in replies],
-                       {k: old[k][rows[k]] for k in rows}, self.settings)
+        # the shared rows by the run's aggregation rule (default: example-weighted mean), in
+        # float64: the server's learning rate goes on from the unrounded mean
+        shared = [replace(r, arrays=ArrayRecord({k: Array(r.arrays[k].numpy()[cut[k]])
+                                                 for k in rows})) for r in replies]
+        mean = self.run.aggregate(shared, list(rows), ArrayRecord(
+            {k: Array(old[k][rows[k]]) for k in rows}), dtype=np.dtype(np.float64))
         merged = {}
         server_lr = self.options.server_lr
         for key, current in old.items():
             new = current.astype(np.float64).copy()
-            new[rows[key]] = new[rows[key]] + server_lr * (mean[key] - new[rows[key]])
+            new[rows[key]] = new[rows[key]] + server_lr * (mean[key].numpy()
+                                                           - new[rows[key]])
             merged[key] = Array(new.astype(current.dtype))
         return ArrayRecord(merged)
 

@@ -15,7 +15,8 @@ measures what eq. 7's averaging is worth.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypedDict
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -45,9 +46,15 @@ def masked_branch_average(branches: dict[str, dict[str, np.ndarray]],
     return averaged
 
 
+class PFedCState(TypedDict):
+    """What the checkpoint keeps of pFedC's server, per client id: its task weights and its
+    latest branches."""
+
+    task_weights: dict[str, list[float]]
+    branches: dict[str, dict[str, np.ndarray]]
+
+
 class PFedCRule(MethodRule[PFedCSettings]):
-    checkpointed = ("task_weights", "branches")
-    client_tables = ("task_weights", "branches")
     wire: HeldBranches
 
     def __init__(self, run: RuleContext[PFedCSettings]) -> None:
@@ -55,6 +62,17 @@ class PFedCRule(MethodRule[PFedCSettings]):
         self.keys_of_task = self.wire.keys_of_task
         self.task_weights: dict[str, list[float]] = {}
         self.branches: dict[str, dict[str, np.ndarray]] = {}
+
+    def state(self) -> PFedCState:
+        return {"task_weights": self.task_weights, "branches": self.branches}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.task_weights = dict(state["task_weights"])
+        self.branches = dict(state["branches"])
+
+    def forget(self, client_id: str) -> None:
+        self.task_weights.pop(client_id, None)
+        self.branches.pop(client_id, None)
 
     def merge_updates(self, server_round: int, replies: list[ClientReply],
                       arrays: ArrayRecord) -> ArrayRecord:
