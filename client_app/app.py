@@ -105,7 +105,10 @@ def train(msg: Message, context: Context) -> Message:
     received = msg.content[ARRAYS]
     client.data()  # loaded here, so that the data phase is timed on its own
     phases.lap("data")
-    model = client.model(received, server_round - 1, msg.content[CONFIG])
+    identity = client.identity()
+    # the model that arrived, adapted by the method where it has a step for that; under DP,
+    # what it would send untrained and unadapted (its update is measured from there)
+    model, start = client.arrive(received, server_round - 1, msg.content[CONFIG], identity)
     evaluation = {}
     if msg.content[CONFIG].get(EVALUATE_FIRST, False):
         # the personalized evaluation of the last round: what this client starts from
@@ -117,9 +120,6 @@ def train(msg: Message, context: Context) -> Message:
                       EVAL_CPU: time.process_time() - eval_started}
         started += evaluation[EVAL_CPU]  # cpu-seconds: the training part only
         phases.lap("evaluate")
-    identity = client.identity()
-    # under DP, what it would send untrained: its update is measured from there
-    start = client.shared_arrays(model, received, identity) if client.settings.dp_mode else None
     torch.manual_seed(derived_seed(client.settings.seed, server_round, client.partition_id,
                                    Stream.TRAIN))
     loss = client.method.local_train(LocalTraining(
@@ -155,7 +155,7 @@ def evaluate_personalized(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     client.data()  # timed on its own
     phases.lap("data")
-    model = client.model(received, int(config[SERVER_ROUND]), config)
+    model = client.arrive(received, int(config[SERVER_ROUND]), config).model
     scored = client.evaluate(model, int(config[SERVER_ROUND]))
     phases.lap("evaluate")
     return Message(RecordDict({

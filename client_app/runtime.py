@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from logging import INFO, WARNING
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -37,7 +38,7 @@ from fldata.cache import site_cache_dir
 from strategies.method import Method
 from strategies.privacy import privatize_uplink, released_metrics, secret_rng
 from strategies.registry import REGISTRY, load_settings
-from strategies.training import Evaluation, LocalTraining, evaluate_model
+from strategies.training import Arrival, Evaluation, LocalTraining, evaluate_model
 from strategies.wire import WireSpec
 
 PERSONAL = "personal-state"
@@ -123,6 +124,13 @@ def read_state_file(path: Path, client_id: str) -> dict | None:
             "the previous round's file", client_id, path, type(error).__name__,
             str(error)[:200])
         return None
+
+
+class Arrived(NamedTuple):
+    """The model a message brought (``Client.arrive``)."""
+
+    model: nn.Module  # personal state, the received arrays on top, then the method's adapt
+    start: ArrayRecord | None  # under dp.mode: what it would send before adapting, training
 
 
 @dataclass
@@ -266,10 +274,38 @@ class Client:
               message_config: ConfigRecord | None = None) -> nn.Module:
         """The run's model with this client's personal state (see ``personal_state``), then
         the received shared arrays on top."""
+        return self._merged(self.personal_state(up_to_round, message_config), received)
+
+    def _merged(self, personal: dict[str, torch.Tensor], received: ArrayRecord) -> nn.Module:
         model = self.method.build_model(self.settings)
-        own = {**model.state_dict(), **self.personal_state(up_to_round, message_config)}
+        own = {**model.state_dict(), **personal}
         model.load_state_dict(self.wire.merge_downlink(own, received.to_torch_state_dict()))
         return model.to(self.device)
+
+    def arrive(self, received: ArrayRecord, arrays_round: int,
+               message_config: ConfigRecord | None = None,
+               identity: ConfigRecord | None = None) -> Arrived:
+        """Where a model arrives: every train and evaluate message calls this once, before
+        its evaluation and training. The run's model with this client's personal state and
+        the received arrays on top (``model``), then the method's ``adapt`` step
+        (``Method.adapt``, if it has one) on it in place, with this client's train split,
+        seeded by ``arrays_round`` (the round the received arrays are of: the train message
+        of round r+1 and the evaluate message of round r adapt alike, so both evaluation
+        protocols score the same model). Under ``dp.mode``, given the reply's ``identity``
+        (a train message), ``start`` is what the client would send before adapting and
+        training: its update is measured from there, so whatever the adaptation moves is
+        inside the clipped update."""
+        own = self.personal_state(arrays_round, message_config)
+        model = self._merged(own, received)
+        start = (self.shared_arrays(model, received, identity)
+                 if self.settings.dp_mode and identity is not None else None)
+        if self.method.adapt is not None:
+            torch.manual_seed(derived_seed(self.settings.seed, arrays_round, self.partition_id,
+                                           Stream.ADAPT))
+            self.method.adapt(Arrival(model, self.loader(True, arrays_round), self.settings,
+                                      self.device, arrays_round,
+                                      received.to_torch_state_dict(), own))
+        return Arrived(model, start)
 
     def keep_personal(self, model: nn.Module, received: ArrayRecord, sent: ArrayRecord,
                       server_round: int = 0) -> None:

@@ -13,6 +13,7 @@ class Stream(Enum):
 
     TRAIN = (7919, 31, 0)            # torch's global generator before local training
     FINE_TUNE = (7919, 31, 104_729)  # the same before FedAvg-FT's fine-tuning copy
+    ADAPT = (7919, 31, 209_458)      # the same before a method's ``adapt`` (FedALA's sample)
     SHUFFLE = (100_003, 1009, 0)     # the order of a round's training batches
 
 

@@ -6,8 +6,9 @@ baselines) plus its model transform in ``models/<method>.py``:
 - ``spec.py``: its settings (a ``KeyGroup`` of its run-config keys) and its wire spec (a
   ``WireSpec``: what goes down and up, used by both sides);
 - ``server.py``: its server rule (a ``MethodRule`` overriding hooks of ``engine/rule.py``);
-- ``client.py``: its local training rule (``LocalTraining -> float``) and the answers to its
-  own server queries (``actions``);
+- ``client.py``: its local training rule (``LocalTraining -> float``), its ``adapt`` step where
+  a model arrives (``Arrival -> None``; optional) and the answers to its own server queries
+  (``actions``);
 - ``__init__.py``: the ``Method`` record below, which ``strategies/registry.py`` lists.
 """
 
@@ -26,7 +27,7 @@ from common.config import MethodSettingsT, RunSettings
 from fldata import ClientData, dataset_shape, default_model
 from models import build_backbone
 from strategies.engine import MethodRule
-from strategies.training import LocalTraining, train_everything
+from strategies.training import Arrival, LocalTraining, train_everything
 from strategies.wire import WireSpec
 
 
@@ -71,7 +72,14 @@ class Method(Generic[MethodSettingsT]):
     RecordDict``); ``dp_refused``: the ``dp.mode`` values it refuses, with why;
     ``fine_tune``: a rule that trains a copy of the received model on the
     client's train split before each personalized evaluation (FedAvg-FT; nothing of it is sent,
-    and training starts from the received model, not from the copy)."""
+    and training starts from the received model, not from the copy); ``adapt``: a step where a
+    model arrives, once per train and evaluate message, on the client's model with the
+    received arrays merged in and its train split (``Arrival``), before the fused evaluation
+    and the local rule: both see the adapted model (FedALA's adaptive local aggregation,
+    Ditto's personal model started from the first global model a client receives). It is
+    seeded by the round the arrays are of, so that both evaluation protocols score the same
+    model; under ``dp.mode`` the update is measured from the model before it, so whatever it
+    moves is inside the clipped update (``client_app/runtime.py: Client.arrive``)."""
 
     name: str
     wire: type[WireSpec[MethodSettingsT]] = WireSpec
@@ -82,6 +90,7 @@ class Method(Generic[MethodSettingsT]):
     check: Callable[[RunSettings[MethodSettingsT], nn.Module], None] = no_checks
     actions: dict[str, Callable[..., Any]] = field(default_factory=dict)
     fine_tune: Callable[[LocalTraining[MethodSettingsT]], float] | None = None
+    adapt: Callable[[Arrival[MethodSettingsT]], None] | None = None
     # False: the method shares everything by design (FedAvg, FedProx, FedAvg-FT); a
     # personalized method with nothing personal on the run's model is warned about at start
     personalized: bool = True

@@ -16,7 +16,7 @@ from torch import nn
 from common.config import RunSettings, one_of
 from fldata import check_dataset
 from models import check_backbone
-from strategies import baselines, factorized_fl, feddecomp, fedfac, pfedc
+from strategies import baselines, ditto, factorized_fl, fedala, feddecomp, fedfac, pfedc
 from strategies.method import InitialState, Method
 from strategies.privacy import refuse_dp
 from strategies.wire import WireSpec
@@ -24,6 +24,8 @@ from strategies.wire import WireSpec
 METHODS: list[Method] = [
     baselines.FEDAVG, baselines.FEDPROX, baselines.LOCAL, baselines.FEDPER, baselines.FEDREP,
     baselines.FEDBN, baselines.FEDAVG_FT,
+    ditto.METHOD,
+    fedala.METHOD,
     feddecomp.METHOD,
     pfedc.METHOD,
     factorized_fl.METHOD,

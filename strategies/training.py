@@ -31,6 +31,19 @@ class LocalTraining(Generic[MethodSettingsT]):
     server_round: int
 
 
+@dataclass
+class Arrival(LocalTraining[MethodSettingsT]):
+    """Everything a method's ``adapt`` step may use where a model arrives (a train or an
+    evaluate message, ``Method.adapt``): ``model`` is the client's model with the received
+    arrays merged in, adapted in place; ``loader`` the client's train split;
+    ``server_round`` the round the received arrays are of; ``received`` what arrived and
+    ``own`` the client's personal state before the merge (empty while it has none: its first
+    message, or a client that has never trained)."""
+
+    received: dict[str, Tensor]
+    own: dict[str, Tensor]
+
+
 class SGD:
     """Stochastic gradient descent with momentum and weight decay: the update of
     ``torch.optim.SGD`` (its single-tensor path; no dampening, no Nesterov) written out.

@@ -33,7 +33,8 @@ LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package 
 METHOD_HOMES = {"baselines": {"fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn",
                               "fedavg-ft"},
                 "feddecomp": {"feddecomp"}, "pfedc": {"pfedc"},
-                "factorized_fl": {"factorized-fl"}, "fedfac": {"fedfac"}}
+                "factorized_fl": {"factorized-fl"}, "fedfac": {"fedfac"},
+                "ditto": {"ditto"}, "fedala": {"fedala"}}
 
 
 def _module_name(path: Path) -> str:
@@ -197,7 +198,7 @@ def test_outside_the_engine_only_its_public_api_is_imported(graph):
 
 
 ENGINE_COLLABORATORS = {"ledger", "nodes", "example_counts", "replies", "messenger",
-                        "evaluation", "admission", "rule", "privacy", "sampler"}
+                        "evaluation", "admission", "rule", "context", "privacy", "sampler"}
 
 
 def test_the_server_app_uses_the_engines_public_face_only():
@@ -215,18 +216,44 @@ def test_the_server_app_uses_the_engines_public_face_only():
     assert not reaching_in, reaching_in
 
 
+def _hooks_the_engine_calls() -> set[str]:
+    """The attributes the engine's modules use of its rule (``self.rule.<hook>``, or
+    ``rule.<hook>``)."""
+    called = set()
+    for path in (ROOT / "strategies" / "engine").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            if ((isinstance(owner, ast.Attribute) and owner.attr == "rule")
+                    or (isinstance(owner, ast.Name) and owner.id == "rule")):
+                called.add(node.attr)
+    return called
+
+
 def test_every_method_rule_is_a_method_rule_and_its_hooks_are_documented():
     """A method's server rule is a ``MethodRule`` (the engine holds it; it does not extend
     the engine), and every hook the engine calls is named in ``engine/rule.py``'s contract."""
     from strategies.engine import MethodRule, RoundEngine
     from strategies.engine import rule as rule_module
+    from strategies.registry import load_settings, wire_spec
+    from tests.conftest import app_config
 
-    hooks = {name for name in vars(MethodRule)
-             if not name.startswith("_") and callable(getattr(MethodRule, name))}
-    assert hooks and all(f"``{name}" in rule_module.__doc__ for name in hooks), sorted(
-        name for name in hooks if f"``{name}" not in rule_module.__doc__)
-    for method in REGISTRY.values():
-        assert issubclass(method.rule, MethodRule) and not issubclass(method.rule, RoundEngine)
+    called = _hooks_the_engine_calls()
+    assert {"downlink", "merge_updates", "state", "forget"} <= called, called
+    undocumented = sorted(name for name in called if not callable(getattr(MethodRule, name, None))
+                          or f"``{name}" not in rule_module.__doc__)
+    assert not undocumented, f"hooks the engine calls, not in rule.py's list: {undocumented}"
+    defined = {name for name in vars(MethodRule)
+               if not name.startswith("_") and callable(getattr(MethodRule, name))}
+    assert defined <= called, f"hooks nobody calls: {sorted(defined - called)}"
+    for name, method in REGISTRY.items():
+        assert issubclass(method.rule, MethodRule), name
+        # its state is the record ``state()`` returns, not attributes named for the engine
+        assert not hasattr(method.rule, "checkpointed"), name
+        settings = load_settings(app_config(method=name))
+        engine = RoundEngine(settings, wire_spec(settings), method.rule)
+        assert type(engine.rule) is method.rule and not isinstance(engine.rule, RoundEngine)
 
 
 MAX_FILE_LINES = 400

@@ -105,7 +105,7 @@ def test_an_insecure_deployment_runs_and_a_stopped_run_resumes_to_the_same_resul
     its own address where the machine allows it (``ip netns``), else on loopback, runs a
     personalized method. Then ``flwr stop`` the ServerApp after round 1 of 3, resume from its
     checkpoint: the results equal the uninterrupted run's (personal state comes back from
-    state-dir)."""
+    state-dir). Ditto and FedALA then run on the same sites."""
     base = {**CONFIG, "num-server-rounds": 3, "min-nodes": 2}
     full, stopped, resumed = tmp_path / "full", tmp_path / "stopped", tmp_path / "resumed"
     with LocalDeployment(2, home=tmp_path / "home", namespaces=NAMESPACES,
@@ -127,6 +127,12 @@ def test_an_insecure_deployment_runs_and_a_stopped_run_resumes_to_the_same_resul
         assert 1 <= done < 3
         again = deployment.run(ROOT, {**base, "output-dir": str(resumed),
                                       "resume-from": str(stopped)})
+        # the methods that change the model where it arrives (Method.adapt), on the same sites
+        for method in ("ditto", "fedala"):
+            out = tmp_path / method
+            _check(deployment.run(ROOT, {**CONFIG, "method": method, "min-nodes": 2,
+                                         "local-epochs": 2, "output-dir": str(out)}),
+                   out, tmp_path, deployment)
     assert again.ok, again.output[-3000:]
     assert f"[resume] from round {done}" in again.output
     expected, got = read_results(full), read_results(resumed)

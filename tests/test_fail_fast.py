@@ -71,10 +71,11 @@ CONFIG_MISTAKES = [
 
 METHOD_RULE_MISTAKES = [
     (["method=fedfoo"], "method: unknown value 'fedfoo'; allowed: fedavg, fedprox, local, "
-     "fedper, fedrep, fedbn, fedavg-ft, feddecomp, pfedc, factorized-fl, fedfac"),
+     "fedper, fedrep, fedbn, fedavg-ft, ditto, fedala, feddecomp, pfedc, factorized-fl, "
+     "fedfac"),
     (["method=fedprx"], "method: unknown value 'fedprx'; allowed: fedavg, fedprox, local, "
-     "fedper, fedrep, fedbn, fedavg-ft, feddecomp, pfedc, factorized-fl, fedfac; did you mean "
-     "'fedprox'?"),
+     "fedper, fedrep, fedbn, fedavg-ft, ditto, fedala, feddecomp, pfedc, factorized-fl, "
+     "fedfac; did you mean 'fedprox'?"),
     (["method=fedrep", "local-epochs=1"],
      "fedrep.head-epochs: 1 leaves no epoch of local-epochs=1 to the shared part; allowed: "
      "[0, 0]"),

@@ -9,7 +9,9 @@ from tests.conftest import REFERENCE, REFERENCE_CLIENTS, app_config
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("method", ["fedavg", "fedper", "feddecomp", "fedavg-ft"])
+# FedALA and Ditto adapt the model where it arrives (Method.adapt), before the fused evaluation
+@pytest.mark.parametrize("method", ["fedavg", "fedper", "feddecomp", "fedavg-ft", "fedala",
+                                    "ditto"])
 def test_fused_evaluation_equals_two_exchanges(shared_runs, method):
     two = shared_runs.reference(method, **{"fused-evaluation": False})[1]["rounds"]
     assert app_config()["fused-evaluation"] is True  # the reference run is the fused one

@@ -45,7 +45,7 @@ SCENARIOS = [
     ("fedfac", {"fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
     # under differential privacy: the clipped (and, local, noised) uplinks
     *[(m, {"dp.mode": "local"}) for m in REGISTRY if m != "local"],
-    *[(m, {"dp.mode": "central"}) for m in ("fedavg", "fedbn", "feddecomp")],
+    *[(m, {"dp.mode": "central"}) for m in ("fedavg", "fedbn", "feddecomp", "ditto", "fedala")],
     ("fedfac", {"dp.mode": "local", "fedfac.mode": "dynamic", "fedfac.layers": "0,1"}),
 ]
 
@@ -54,7 +54,6 @@ def _round_trip(strategy, clients: list[Client], server_round: int, arrays: Arra
                 ) -> tuple[list, list]:
     """Each client receives its downlink and replies with what its wire spec builds; the
     server validates the replies exactly as in a round."""
-    strategy.rule.start_round(server_round)
     sent, replies = [], []
     for client in clients:
         down = strategy.rule.downlink(server_round, client.client_id, arrays)
@@ -167,6 +166,10 @@ def _stays_on_the_client(method: str, overrides: dict, client: Client, model, ke
         if leaf in ("v", "mu"):
             return key != matching
         return variant == "u-paper" and leaf != "u"
+    if method == "ditto":
+        return key.startswith("personal.")  # the personal model
+    if method == "fedala":
+        return leaf.startswith("ala_")  # the aggregation weights and the adapted flag
     if method == "pfedc":
         task = branch_of_key(key)
         weights = client.identity()["pfedc.task-weights"]
