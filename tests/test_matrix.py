@@ -1,9 +1,10 @@
-"""The evidence matrix (bench/matrix.py): rounds doubled until a row converges, cells that
-resume, a report computed from the stored runs (its search: tests/test_matrix_search.py; its
-verdicts: tests/test_matrix_claims.py)."""
+"""The evidence matrix (bench/matrix.py): cells that resume, a report computed from the stored
+runs (its search: tests/test_matrix_search.py; its verdicts: tests/test_matrix_claims.py;
+protocol v4's rounds, seeds and picks: tests/test_matrix_v4*.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -16,10 +17,11 @@ from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
 from bench.evidence.report import common_rounds, thinned, write_report
-from bench.evidence.stats import row_stats
+from comparison.stats import last_rounds_mean
 from tests.conftest import ROOT
 
-COMMON_DIGITS = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "plot": False}
+# 3 local epochs: FedDecomp trains B A for 2 of them (its row's), sigma for the third
+COMMON_DIGITS = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 3, "plot": False}
 
 
 def _store(matrix: Matrix, scenario: str, item, config: dict, curve: list[float],
@@ -37,6 +39,17 @@ def _store(matrix: Matrix, scenario: str, item, config: dict, curve: list[float]
         "mb_up_total": 1.0, "seconds_total": 1.0}))
 
 
+def only_rows(monkeypatch, *labels: str, scenario: str = "dirichlet-0.1") -> None:
+    """The scenario with these rows alone (its rounds need every row of it tuned), and the
+    ablations and privacy cells of those rows alone."""
+    spec = SCENARIOS[scenario]
+    monkeypatch.setitem(SCENARIOS, scenario, dataclasses.replace(
+        spec, entries=[e for e in spec.entries if e.label in labels]))
+    for name in ("ABLATIONS", "PRIVACY"):
+        monkeypatch.setattr(protocol, name, [a for a in getattr(protocol, name)
+                                             if a.scenario != scenario or a.label in labels])
+
+
 def _tuned_fedavg(tmp_path) -> tuple[Matrix, protocol.Entry, dict]:
     """Dirichlet 0.1's FedAvg row with its whole search stored: the second largest learning
     rate wins (two-round tuning cells), and no further setting beats it."""
@@ -48,49 +61,6 @@ def _tuned_fedavg(tmp_path) -> tuple[Matrix, protocol.Entry, dict]:
     for config in protocol.settings_stage("fedavg", best):
         _store(offline, "dirichlet-0.1", item, config, [0.0] * 2)
     return offline, item, {"lr": best}
-
-
-def test_a_row_that_has_not_converged_reports_its_seeds_again_with_twice_the_rounds(tmp_path):
-    offline, item, tuned = _tuned_fedavg(tmp_path)
-    assert offline.reported("dirichlet-0.1", item) == (tuned, True)
-
-    def report(config: dict, rising: float) -> None:
-        rounds = config.get("num-server-rounds", 2)
-        for seed in protocol.REPORT_SEEDS:  # the seeds' slopes: rising +- 0.0002 a round
-            step = rising + 0.0002 * (seed - 3)
-            _store(offline, "dirichlet-0.1", item, config,
-                   [0.5 + step * r for r in range(rounds)], stage="report", seed=seed)
-
-    report(tuned, 0.01)  # a point a round: not converged, so the row asks for 4 rounds
-    longer = {**tuned, "num-server-rounds": 4}
-    assert offline.reported("dirichlet-0.1", item) == (longer, True)
-    report(longer, 0.0)  # flat: converged at 4 rounds
-    assert offline.reported("dirichlet-0.1", item) == (longer, True)
-    report(longer, 0.01)  # still rising at 4: 8, and there it stops, converged or not
-    report({**tuned, "num-server-rounds": 8}, 0.01)
-    assert offline.reported("dirichlet-0.1", item)[0]["num-server-rounds"] == 8
-    assert protocol.MAX_DOUBLINGS == 2
-
-
-def test_a_rows_statistics_take_in_the_extra_seeds_run_at_its_reported_rounds(tmp_path):
-    """An undecided claim's extra seeds run at the rounds the row reports (here doubled to
-    4) and count in its statistics; one stored at another length is another configuration
-    and does not."""
-    offline, item, tuned = _tuned_fedavg(tmp_path)
-    for seed in protocol.REPORT_SEEDS:  # rising at 2 rounds, flat at 4
-        _store(offline, "dirichlet-0.1", item, tuned, [0.5, 0.52 + 0.001 * seed],
-               stage="report", seed=seed)
-        _store(offline, "dirichlet-0.1", item, {**tuned, "num-server-rounds": 4}, [0.5] * 4,
-               stage="report", seed=seed)
-    for seed in protocol.EXTRA_SEEDS:
-        _store(offline, "dirichlet-0.1", item, {**tuned, "num-server-rounds": 4}, [0.5] * 4,
-               stage="report", seed=seed)
-    _store(offline, "dirichlet-0.1", item, tuned, [0.5] * 2, stage="report",
-           seed=protocol.EXTRA_SEEDS[0])  # another length: not this row's
-    assert offline.reported("dirichlet-0.1", item)[0]["num-server-rounds"] == 4
-    row = row_stats(offline, "dirichlet-0.1", item)
-    assert row["num_rounds"] == 4
-    assert sorted(row["per_seed"]) == [*protocol.REPORT_SEEDS, *protocol.EXTRA_SEEDS]
 
 
 def test_a_configuration_that_diverged_is_a_result_of_the_search_never_chosen(tmp_path):
@@ -189,8 +159,9 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     report = write_report(Matrix(None, common, tmp_path, num_clients=3),
                           "python bench/matrix.py")
     assert (tmp_path / "report.md").read_text() == report
-    # each run's figure is the mean of its last 5 rounds: here both of its 2
-    fedavg = [statistics.mean(json.loads(c.read_text())["accuracy_per_round"]) for c in cells
+    # each run's figure is the mean of its last 5 rounds, none in the first quarter: here its
+    # second (comparison.stats.figure_rounds)
+    fedavg = [last_rounds_mean(json.loads(c.read_text())["accuracy_per_round"]) for c in cells
               if c.parent.name == "fedavg"]
     row = next(line for line in report.splitlines() if line.startswith("| fedavg |"))
     assert (f"{statistics.mean(fedavg):.4f} ± {statistics.stdev(fedavg):.4f}") in row
@@ -226,11 +197,12 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
     which configuration is kept); the ablation itself is a real run. The row chose a conv
     rank of its own, which the ablation's rank replaces: full rank in every layer."""
     monkeypatch.setattr(protocol, "REPORT_SEEDS", (1,))
-    monkeypatch.setattr(protocol, "MAX_DOUBLINGS", 0)  # one seed: convergence unjudged
+    monkeypatch.setattr(protocol, "MAX_DOUBLINGS", 0)
     # 3 local epochs: the FedDecomp row trains tau for 2 of them and sigma for the third
     common = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 3, "plot": False}
     probe = protocol.Ablation("dirichlet-0.1", "feddecomp", {"feddecomp.rank": 1.0}, "why?")
     monkeypatch.setattr(protocol, "ABLATIONS", [probe])
+    only_rows(monkeypatch, "feddecomp")  # its scenario's rounds: this row's alone
     offline = Matrix(None, common, tmp_path, num_clients=3)
     assert offline.ablation(probe) == []  # its row is not tuned yet
     item = next(e for e in SCENARIOS["dirichlet-0.1"].entries if e.label == "feddecomp")
@@ -240,8 +212,7 @@ def test_an_ablation_runs_its_rows_tuned_configuration_with_one_change(federatio
     for k, config in enumerate(grid):
         accuracy = 0.9 if config == best else 0.5 if config == {"lr": 0.03} else 0.01 * k
         _store(offline, "dirichlet-0.1", item, config, [accuracy] * 2)
-    assert offline.ablation(probe) == []  # its row has no report seed yet
-    _store(offline, "dirichlet-0.1", item, best, [0.9] * 2, stage="report", seed=1)
+    assert offline.rounds("dirichlet-0.1") == 2  # fixed on validation: flat at the base
 
     [cell] = Matrix(federation, common, tmp_path, num_clients=3).ablation(probe)
     assert cell["stage"] == "ablation" and cell["config"] == {"lr": 0.03, "feddecomp.rank": 1.0}

@@ -20,7 +20,7 @@ from bench.evidence.stats import ablation_stats, row_stats
 from common.protocol import NOT_FINITE
 from launch.federation import FlowerRun
 from tests.conftest import ROOT
-from tests.test_matrix import COMMON_DIGITS, _store, _tuned_fedavg
+from tests.test_matrix import COMMON_DIGITS, _store, _tuned_fedavg, only_rows
 
 SCENARIO = "dirichlet-0.1"
 
@@ -32,18 +32,17 @@ def _report(matrix: Matrix, item, config: dict, seeds, rising: float = 0.0,
                stage=stage, seed=seed)
 
 
-def test_an_ablation_is_its_rows_reported_configuration_with_its_change_winning(tmp_path,
-                                                                               capsys):
-    """On the report seeds and on every extra seed the row ran; the change replaces a key the
+def test_an_ablation_is_its_rows_reported_configuration_with_its_change_winning(
+        tmp_path, capsys, monkeypatch):
+    """On the exploratory seeds, at the scenario's rounds; the change replaces a key the
     configuration sets (here the learning rate itself)."""
+    only_rows(monkeypatch, "fedavg")
     offline, item, tuned = _tuned_fedavg(tmp_path)
     probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "")
-    extra = protocol.EXTRA_SEEDS[0]
-    _report(offline, item, tuned, (*protocol.REPORT_SEEDS, extra))  # flat: converged
     changed = {**tuned, "lr": 0.5}
-    _report(offline, item, changed, (*protocol.REPORT_SEEDS, extra), stage="ablation")
+    _report(offline, item, changed, protocol.REPORT_SEEDS, stage="ablation")
     cells = offline.ablation(probe, may_run=False)
-    assert [c["seed"] for c in cells] == [*protocol.REPORT_SEEDS, extra]
+    assert [c["seed"] for c in cells] == list(protocol.exploratory_seeds()) == [1, 2, 4, 5, 6]
     assert all(c["config"] == changed for c in cells)
 
     untuned = Matrix(None, COMMON_DIGITS, tmp_path / "other", num_clients=3)
@@ -51,18 +50,19 @@ def test_an_ablation_is_its_rows_reported_configuration_with_its_change_winning(
     assert "dirichlet-0.1/fedavg lr=0.5: not tuned yet; no ablation" in capsys.readouterr().err
 
 
-def test_an_ablation_waits_for_its_rows_report_seeds_and_skips_a_change_the_row_has(
+def test_an_ablation_waits_for_its_scenarios_rounds_and_skips_a_change_the_row_has(
         tmp_path, capsys, monkeypatch):
-    """Its row may still double its rounds while a report seed is missing; a change that
+    """Before every row of its scenario is tuned its rounds are not fixed; a change that
     leaves the row's run as it is (its own learning rate; a default it runs anyway) would
     repeat the row's cells under another name."""
+    only_rows(monkeypatch, "fedavg", "local")
     offline, item, tuned = _tuned_fedavg(tmp_path)
     probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "")
-    _report(offline, item, tuned, protocol.REPORT_SEEDS[:-1])
     assert offline.ablation(probe) == []
-    assert ("dirichlet-0.1/fedavg lr=0.5: its rounds are not settled (a report seed is "
-            "missing); no ablation" in capsys.readouterr().err)
-    _report(offline, item, tuned, protocol.REPORT_SEEDS[-1:])
+    assert ("dirichlet-0.1/fedavg lr=0.5: its scenario's rounds are not fixed yet; no "
+            "ablation" in capsys.readouterr().err)
+    only_rows(monkeypatch, "fedavg")
+    _report(offline, item, tuned, protocol.REPORT_SEEDS)
     same = [protocol.Ablation(SCENARIO, "fedavg", change, "")
             for change in ({"lr": tuned["lr"]}, {"local-epochs": COMMON_DIGITS["local-epochs"]})]
     for ablation in same:
@@ -98,7 +98,7 @@ def test_a_row_whose_search_failed_runs_no_report_seed_on_its_defaults(tmp_path,
     assert len(federation.asked) == len(protocol.LR_GRID)
     assert all(name.startswith("tune-lr=") for name in federation.asked)
     assert "its search did not complete" in capsys.readouterr().err
-    run(matrix, row, "report")  # asked for: its defaults, each report seed
+    run(matrix, row, "report")  # asked for: its defaults at the base rounds, each report seed
     assert federation.asked[len(protocol.LR_GRID):] == [
         f"report-defaults-seed{seed}" for seed in protocol.REPORT_SEEDS]
 
@@ -119,25 +119,10 @@ def test_cells_on_cuda_give_every_client_a_share_that_fits_one_gpu(tmp_path):
             assert share == 0
 
 
-def test_an_ablation_runs_at_the_last_doubling_even_with_a_seed_missing_there(tmp_path):
-    """A report seed that fails there every time cannot hold its ablations back: no more
-    doubling can follow."""
-    offline, item, tuned = _tuned_fedavg(tmp_path)
-    rounds = COMMON_DIGITS["num-server-rounds"]
-    for doubling in range(protocol.MAX_DOUBLINGS):  # rising at each length: doubled twice
-        length = tuned if doubling == 0 else {**tuned, "num-server-rounds": rounds << doubling}
-        _report(offline, item, length, protocol.REPORT_SEEDS, rising=0.05)
-    last = {**tuned, "num-server-rounds": rounds << protocol.MAX_DOUBLINGS}
-    _report(offline, item, last, protocol.REPORT_SEEDS[:-1])
-    assert offline.report_length(SCENARIO, item) == (last, True, True)
-    probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "")
-    _report(offline, item, {**last, "lr": 0.5}, protocol.REPORT_SEEDS, stage="ablation")
-    assert len(offline.ablation(probe, may_run=False)) == len(protocol.REPORT_SEEDS)
-
-
-def test_an_ablations_shorthand_rank_replaces_the_rank_its_row_chose(tmp_path):
+def test_an_ablations_shorthand_rank_replaces_the_rank_its_row_chose(tmp_path, monkeypatch):
     """FedDecomp's row chose a conv rank of 0.3; ``feddecomp.rank = 1.0`` is full rank in
     every layer: the cell it reads is the one stored under the row's rate and that rank."""
+    only_rows(monkeypatch, "feddecomp")
     offline = Matrix(None, COMMON_DIGITS, tmp_path, num_clients=3)
     item = next(e for e in SCENARIOS[SCENARIO].entries if e.label == "feddecomp")
     best = {"lr": 0.03, "feddecomp.rank-conv": 0.3}
@@ -150,23 +135,31 @@ def test_an_ablations_shorthand_rank_replaces_the_rank_its_row_chose(tmp_path):
     _report(offline, item, full, protocol.REPORT_SEEDS, stage="ablation")
     probe = protocol.Ablation(SCENARIO, "feddecomp", {"feddecomp.rank": 1.0}, "")
     cells = offline.ablation(probe, may_run=False)
-    assert [c["config"] for c in cells] == [full] * len(protocol.REPORT_SEEDS)
+    assert [c["config"] for c in cells] == [full] * protocol.EXPLORATORY_SEEDS
     assert all(c["run_config"]["feddecomp.rank-conv"] == 1.0 for c in cells)
 
 
-def test_a_privacy_level_runs_at_the_scenarios_rounds_even_where_the_row_doubled_them(
-        tmp_path):
+def test_a_privacy_level_runs_at_the_base_rounds_against_the_report_cells_read_there(
+        tmp_path, monkeypatch):
     """Every row spends the same epsilon at a noise level: its privacy cells run the tuned
-    configuration at the scenario's rounds, and are compared with its report cells there,
-    although the row, still rising, reports twice the rounds."""
+    configuration at the scenario's base rounds, on the exploratory seeds, and are compared
+    with its report cells there: the first rounds of its runs at the scenario's rounds (here
+    doubled, the row still rising on validation at the base)."""
+    only_rows(monkeypatch, "fedavg")
     offline, item, tuned = _tuned_fedavg(tmp_path)
-    _report(offline, item, tuned, protocol.REPORT_SEEDS, rising=0.05)  # not converged
+    _store(offline, SCENARIO, item, tuned, [0.5, 0.6])  # its chosen tuning run: rising
+    _store(offline, SCENARIO, item, {**tuned, "num-server-rounds": 4}, [0.5] * 4)
     assert offline.reported(SCENARIO, item)[0] == {**tuned, "num-server-rounds": 4}
+    longer = {**tuned, "num-server-rounds": 4}
+    for seed in protocol.REPORT_SEEDS:
+        _store(offline, SCENARIO, item, longer, [0.1, 0.2, 0.3, 0.4], stage="report", seed=seed)
     level = protocol.Ablation(SCENARIO, "fedavg", protocol.privacy_change(1.0), "")
     _report(offline, item, {**tuned, **level.change}, protocol.REPORT_SEEDS, stage="privacy")
     private, clean = offline.privacy(level, may_run=False)
     assert [c["config"] for c in private] == [{**tuned, **level.change}] * 5
-    assert [c["config"] for c in clean] == [tuned] * 5
+    assert [c["config"] for c in clean] == [longer] * 5
+    assert all(c["accuracy_per_round"] == [0.1, 0.2] and c["read_at_rounds"] == 2
+               for c in clean)
 
     untuned = Matrix(None, COMMON_DIGITS, tmp_path / "other", num_clients=3)
     assert untuned.privacy(level) == ([], [])
@@ -206,36 +199,33 @@ def test_a_diverged_run_is_a_result_at_every_stage(tmp_path):
         assert protocol.cell_path(tmp_path, SCENARIO, "fedavg", stage, {"lr": 0.3}, 1).exists()
 
 
-def test_a_row_that_diverged_on_a_report_seed_stops_doubling_and_is_reported_naming_it(
-        tmp_path):
-    """Still rising on the seeds that finished, the row is settled at the length a seed
-    diverged at; its figures are over the others, the report names the seed; diverged on every
-    seed, it is named, not listed as not run."""
+def test_a_row_that_diverged_on_a_report_seed_is_reported_naming_it(tmp_path, monkeypatch):
+    """Its figures are over the seeds that finished, the report names the seed; diverged on
+    every seed, it is named, not listed as not run."""
+    only_rows(monkeypatch, "fedavg", "fedper")
     offline, item, tuned = _tuned_fedavg(tmp_path)
     *finished, last = protocol.REPORT_SEEDS
-    _report(offline, item, tuned, finished, rising=0.01)  # a point a round: not converged
-    assert offline.reported(SCENARIO, item) == (tuned, True)  # waits for its last seed
+    _report(offline, item, tuned, finished, rising=0.01)
     diverging = Matrix(_DivergingFederation(), COMMON_DIGITS, tmp_path, num_clients=3)
     diverging.cell(SCENARIO, item, "report", tuned, last)
-    assert offline.report_length(SCENARIO, item) == (tuned, True, True)  # not doubled
 
     row = row_stats(offline, SCENARIO, item)
     assert (row["seeds"], row["diverged_seeds"], sorted(row["per_seed"])) == (
         len(finished), [last], finished)
+    assert row["unstable_seeds"] == [last] and row["unstable_why"] == {last: "diverged"}
     report = write_report(offline, "test")
     # its 2 rounds read on round 2 (round 1 is the first quarter): 0.5 + 0.01
     assert f"| {len(finished)}, diverged on seed {last} | 0.5100 ± 0.0000 |" in report
-    assert f"- {SCENARIO}/fedavg (lr={tuned['lr']}, 2 rounds): diverged on seed {last}" \
-        in report
+    assert f"- {SCENARIO}/fedavg (lr={tuned['lr']}, 2 rounds): seed {last} diverged\n" in report
     summary = json.loads((tmp_path / "matrix" / "summary.json").read_text())
     assert summary["rows"][f"{SCENARIO}/fedavg"]["diverged_seeds"] == [last]
+    assert summary["rows"][f"{SCENARIO}/fedavg"]["unstable_seeds"] == [last]
 
     for seed in finished:  # every seed diverged
         protocol.cell_path(tmp_path, SCENARIO, "fedavg", "report", tuned, seed).unlink()
         diverging.cell(SCENARIO, item, "report", tuned, seed)
     report = write_report(offline, "test")
-    every = ", ".join(map(str, protocol.REPORT_SEEDS))
-    assert f"- {SCENARIO}/fedavg (lr={tuned['lr']}, 2 rounds): diverged on seeds {every}" \
+    assert f"- {SCENARIO}/fedavg (lr={tuned['lr']}, 2 rounds): seed 1 diverged; seed 2" \
         in report
     not_run = report.split("## Not run yet\n\n")[1].split("\n\n")[0].split(", ")
     assert f"{SCENARIO}/fedavg" not in not_run and f"{SCENARIO}/fedper" in not_run
@@ -245,12 +235,13 @@ def test_an_ablation_that_diverged_on_a_seed_is_judged_on_the_others_and_names_i
         tmp_path, monkeypatch):
     """The seed it diverged on is said, and the paired difference is over the seeds that
     finished; diverged on every seed, it has no figure."""
+    only_rows(monkeypatch, "fedavg")
     offline, item, tuned = _tuned_fedavg(tmp_path)
     probe = protocol.Ablation(SCENARIO, "fedavg", {"lr": 0.5}, "why?")
     monkeypatch.setattr(protocol, "ABLATIONS", [probe])
     _report(offline, item, tuned, protocol.REPORT_SEEDS)  # flat at 0.5: converged
     changed = {**tuned, "lr": 0.5}
-    *finished, last = protocol.REPORT_SEEDS
+    *finished, last = protocol.exploratory_seeds()
     for seed in finished:
         _store(offline, SCENARIO, item, changed, [0.6, 0.6], stage="ablation", seed=seed)
     diverging = Matrix(_DivergingFederation(), COMMON_DIGITS, tmp_path, num_clients=3)
@@ -270,7 +261,7 @@ def test_an_ablation_that_diverged_on_a_seed_is_judged_on_the_others_and_names_i
     [result] = ablation_stats(offline, stats).values()
     assert (result["seeds"], result["accuracy"]) == (0, None)
     line = ablation_table({("k",): result}, []).splitlines()[-1]
-    every = ", ".join(map(str, protocol.REPORT_SEEDS))
+    every = ", ".join(map(str, protocol.exploratory_seeds()))
     assert f"| 0, diverged on seeds {every} | diverged on every seed | | 0.5000 | no common " \
            "seed |" in line
 

@@ -1,6 +1,7 @@
 """The evidence matrix's verdicts (bench/evidence/claims.py, report.py): claims judged on the
-paired interval against the strongest reference, extra seeds for undecided claims, ablations
-as paired differences, cell names."""
+paired interval against the strongest reference on validation, ablations as paired
+differences, cell names (on five seeds here: the rules do not depend on their number; the
+primary family, picks and unstable seeds: tests/test_matrix_v4_verdicts.py)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,24 @@ import statistics
 import pytest
 
 from bench.evidence import protocol
-from bench.evidence.claims import claim_line, claims, undecided
+from bench.evidence.claims import claim_line, claims
 from bench.evidence.report import ablation_table
 from bench.evidence.stats import flag
 from comparison.stats import CONVERGED_SLOPE, config_tag, converged, judge_difference
 from tests.conftest import ROOT
 
 
+@pytest.fixture(autouse=True)
+def five_seeds(monkeypatch):
+    monkeypatch.setattr(protocol, "REPORT_SEEDS", (1, 2, 3, 4, 5))
+
+
 def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True,
          num_rounds: int = 40, task: list[float] | None = None,
-         slopes: list[float] | None = None) -> dict:
+         slopes: list[float] | None = None, validation: float | None = None) -> dict:
     """A row as ``row_stats`` gives it, from its per-seed figures (seeds 1, 2, ...), its task
     accuracy the same as its accuracy unless ``task`` is given, its curves flat (converged)
-    unless ``slopes`` are given."""
+    unless ``slopes`` are given, its validation figures its means unless ``validation``."""
     task = per_seed if task is None else task
     slopes = [0.0] * len(per_seed) if slopes is None else slopes
     return {"per_seed": {seed: {"accuracy": a, "task_accuracy": t, "slope": s}
@@ -31,7 +37,9 @@ def _row(per_seed: list[float], mb_up: float = 10.0, tuned: bool = True,
             "accuracy": (statistics.fmean(per_seed), 0.0), "mb_up": (mb_up, 0.0),
             "slope": (statistics.fmean(slopes), 0.0),
             "seeds": len(per_seed), "tuned": tuned, "num_rounds": num_rounds,
-            "diverged_seeds": []}
+            "diverged_seeds": [], "unstable_seeds": [], "unstable_why": {},
+            "validation": {"accuracy": statistics.fmean(per_seed) if validation is None
+                           else validation, "task_accuracy": statistics.fmean(task)}}
 
 
 def test_a_cell_of_a_two_key_config_is_named_without_a_comma():
@@ -124,7 +132,6 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
     record = {c["claim"]: c for c in claims(stats, ablated)}[permuted]
     assert (record["verdict"], record["diverged"]) == ("not measured", {"fedavg": [5]})
     assert "(rows missing or incomplete; fedavg diverged on seed 5)" in claim_line(record)
-    assert undecided([record]) == set()
     stats["permuted-labels"]["fedavg"] = _row(base, mb_up=40.0, num_rounds=160)
     stats["permuted-labels"]["factorized-fl"] = _row(shifted([0.0] * 5), mb_up=0.4)
     judged = {c["claim"]: c for c in claims(stats, ablated)}
@@ -163,31 +170,26 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
         "pFedC >= FedAvg + 5 points on pathological-2"]["verdict"] == "not measured"
 
 
-def test_an_undecided_claim_gets_extra_seeds_for_its_row_and_reference_once():
+def test_a_reference_is_chosen_on_validation_never_on_the_report_seeds():
+    """The strongest of several references is the one with the best figure on validation at
+    the scenario's rounds: FedRep's report seeds are far above FedPer's, but FedPer was the
+    better on validation, so the claim is judged against FedPer; without a validation figure
+    for a candidate, not measured. No claim asks for more seeds."""
     base = [0.60, 0.62, 0.58, 0.61, 0.59]
-    # FedDecomp -0.5 points from FedPer, give or take a point: across the -1 margin
-    noisy = [b + d for b, d in zip(base, [0.005, -0.015, 0.01, -0.02, -0.005], strict=True)]
-    stats = {"dirichlet-0.1": {"fedavg": _row(base), "fedper": _row(base),
-                               "fedrep": _row([b - 0.1 for b in base]),
-                               "feddecomp": _row(noisy)}}
-    judged = {c["claim"]: c for c in claims(stats)}
-    best = judged["FedDecomp not below the best of FedPer/FedRep by more than 1 point"]
-    assert best["interval"] == "across the margin"
-    assert undecided(list(judged.values())) == {("dirichlet-0.1", "feddecomp"),
-                                                ("dirichlet-0.1", "fedper")}
-    # once they have run the extra seeds, the rule adds no more, whatever the verdict
-    more = protocol.REPORT_SEEDS + protocol.EXTRA_SEEDS
-    stats["dirichlet-0.1"]["fedper"] = _row(base + base)
-    stats["dirichlet-0.1"]["feddecomp"] = _row(noisy + noisy)
-    judged = claims(stats)
-    assert len(more) == 10 and undecided(judged) == set()
-    # the reference stays the one chosen on the report seeds: FedRep's extra seeds, far above
-    # FedPer's, raise its mean over its own ten seeds above FedPer's, not on seeds 1-5
-    stats["dirichlet-0.1"]["fedrep"] = _row([b - 0.01 for b in base] + [0.99] * 5)
-    assert stats["dirichlet-0.1"]["fedrep"]["accuracy"][0] > statistics.fmean(base)
-    judged = {c["claim"]: c for c in claims(stats)}
-    best = judged["FedDecomp not below the best of FedPer/FedRep by more than 1 point"]
-    assert best["reference"] == "fedper" and len(best["paired_diffs"]) == 10
+    stats = {"dirichlet-0.1": {"fedavg": _row(base), "fedper": _row(base, validation=0.9),
+                               "fedrep": _row([b + 0.2 for b in base], validation=0.8),
+                               "feddecomp": _row([b + 0.001 for b in base])}}
+    claim = "FedDecomp not below the best of FedPer/FedRep by more than 1 point"
+    judged = {c["claim"]: c for c in claims(stats)}[claim]
+    assert judged["reference"] == "fedper" and judged["verdict"] == "held"
+    # a seed of the reference that collapsed stays in the pair, and the line names it
+    stats["dirichlet-0.1"]["fedper"]["unstable_seeds"] = [2]
+    judged = {c["claim"]: c for c in claims(stats)}[claim]
+    assert judged["unstable"] == {"fedper": [2]} and len(judged["paired_diffs"]) == 5
+    assert "; fedper unstable on seed 2 (kept in the pair)" in claim_line(judged)
+    stats["dirichlet-0.1"]["fedper"]["validation"] = None
+    judged = {c["claim"]: c for c in claims(stats)}[claim]
+    assert (judged["reference"], judged["verdict"]) == (None, "not measured")
 
 
 def test_a_claim_names_its_row_or_reference_that_had_not_converged():
@@ -252,87 +254,6 @@ def test_an_ablation_is_reported_as_its_paired_difference_with_an_interval():
 
 
 
-def test_what_to_pick_is_the_best_row_and_the_rows_whose_interval_against_it_holds_0():
-    from bench.evidence.pick import pick_table, picks
-
-    def row(label: str, per_seed: list[float], slope: float = 0.0, mb_up: float = 10.0,
-            diverged_seeds: tuple[int, ...] = ()) -> dict:
-        return {"label": label, "tuned": True, "num_rounds": 40,
-                "diverged_seeds": list(diverged_seeds),
-                "per_seed": {seed: {"accuracy": a, "slope": slope}
-                             for seed, a in enumerate(per_seed, 1)},
-                "accuracy": (statistics.fmean(per_seed), statistics.stdev(per_seed)),
-                "slope": (slope, 0.0), "mb_up": (mb_up, 0.0)}
-
-    best = [0.80, 0.82, 0.78, 0.81, 0.79]
-    stats = {"dirichlet-0.1": {
-        "fedper": row("fedper", best, mb_up=40.0),
-        # below the best on average, but one seed above it: the interval holds 0
-        "fedrep": row("fedrep", [0.795, 0.825, 0.77, 0.80, 0.788], mb_up=38.0),
-        # below on every seed by about a point: excluded
-        "fedavg": row("fedavg", [0.79, 0.81, 0.771, 0.80, 0.78], mb_up=50.0),
-        # as good, but still rising: tied and provisional
-        "fedbn": row("fedbn", [0.80, 0.82, 0.78, 0.80, 0.80], slope=0.01)}}
-    [(scenario, pick)] = picks(stats).items()
-    assert pick["best"] == "fedper"
-    assert set(pick["tied"]) == {"fedrep", "fedbn"}
-    assert pick["tied"]["fedrep"]["ci95"][0] < 0 <= pick["tied"]["fedrep"]["ci95"][1]
-    assert pick["provisional"] == ["fedbn"]
-    assert "local" in pick["missing"] and "fedavg" not in pick["missing"]
-    line = pick_table({scenario: pick}, stats).splitlines()[-1]
-    assert line.startswith("| dirichlet-0.1 | **fedper**: 80.0 ± 1.6, 40 MB | ")
-    assert "fedrep -0.4 [" in line and "38 MB" in line and not re.search(r"fedavg [+-]", line)
-    assert "still provisional (search, seeds or convergence): fedbn" in line
-    # a row with one seed has no interval against the best: not in yet, never left out
-    one_seed = row("local", [0.80, 0.80])
-    one_seed["per_seed"] = {1: one_seed["per_seed"][1]}
-    stats["dirichlet-0.1"]["local"] = one_seed
-    with_one_seed = picks(stats)["dirichlet-0.1"]
-    assert "local" in with_one_seed["missing"] and "local" not in with_one_seed["tied"]
-    assert re.search(r"not in yet: [^;)]*\blocal\b",
-                     pick_table({scenario: with_one_seed}, stats).splitlines()[-1])
-    del stats["dirichlet-0.1"]["local"]
-    # a row best only through its extra seeds (run for an undecided claim) is not the best:
-    # rows are ranked on the report seeds every row has
-    stats["dirichlet-0.1"]["fedavg"] = row("fedavg", [0.79, 0.81, 0.771, 0.80, 0.78]
-                                           + [0.99] * 5)
-    assert stats["dirichlet-0.1"]["fedavg"]["accuracy"][0] > statistics.fmean(best)
-    assert picks(stats)["dirichlet-0.1"]["best"] == "fedper"
-    # and a best row that has run extra seeds shows its figure on the report seeds
-    stats["dirichlet-0.1"]["fedper"] = row("fedper", best + [0.5] * 5, mb_up=40.0)
-    picked = picks(stats)
-    assert pick_table(picked, stats).splitlines()[-1].startswith(
-        "| dirichlet-0.1 | **fedper**: 80.0 ± 1.6, 40 MB | ")
-    # a row still missing report seeds may be the best so far, but only provisionally
-    stats["dirichlet-0.1"]["fedper"] = row("fedper", best[:3], mb_up=40.0)
-    assert "fedper" in picks(stats)["dirichlet-0.1"]["provisional"]
-    # a row that diverged on a report seed is never picked, however high the seeds that
-    # finished: it is named
-    stats["dirichlet-0.1"]["fedper"] = row("fedper", best, mb_up=40.0)
-    stats["dirichlet-0.1"]["fedavg"] = row("fedavg", [0.95, 0.95, 0.96], diverged_seeds=(4, 5))
-    picked = picks(stats)
-    assert (picked["dirichlet-0.1"]["best"], picked["dirichlet-0.1"]["diverged"]) == (
-        "fedper", ["fedavg"])
-    assert "fedavg" not in picked["dirichlet-0.1"]["tied"]
-    assert "diverged on a report seed, not picked: fedavg)" in pick_table(
-        picked, stats).splitlines()[-1]
-    # a row that diverged on every report seed (no statistics) is named, not "not in yet"
-    picked = picks(stats, {"dirichlet-0.1": ["local"]})["dirichlet-0.1"]
-    assert picked["diverged"] == ["fedavg", "local"] and "local" not in picked["missing"]
-    # an extra seed that diverged does not keep a row from being picked
-    stats["dirichlet-0.1"]["fedavg"] = row("fedavg", [0.95, 0.95, 0.96, 0.95, 0.95],
-                                           diverged_seeds=(7,))
-    assert picks(stats)["dirichlet-0.1"]["best"] == "fedavg"
-    # every row diverged on a report seed: nothing to pick, and the line says so
-    for r in stats["dirichlet-0.1"].values():
-        r["diverged_seeds"] = [5]
-    picked = picks(stats)
-    assert picked["dirichlet-0.1"]["best"] is None
-    assert pick_table(picked, stats).splitlines()[-1] == (
-        "| dirichlet-0.1 | none: every row in so far diverged on a report seed (fedper, "
-        "fedrep, fedavg, fedbn) | |")
-
-
 @pytest.mark.parametrize(("ci95", "verdict", "superiority", "interval"), [
     ((-0.0005, 0.02), "held", "did not hold", "above the margin"),  # 0 inside: not better
     ((0.0001, 0.02), "held", "held", "above the margin"),
@@ -371,12 +292,7 @@ def test_a_row_has_converged_when_the_upper_end_of_its_slope_interval_is_within_
         "not converged at round 40: slope over the last 10 rounds +0.05 points a round, 95% "
         "interval [-0.33, +0.43]")
     assert flag(_sloped_row([0.0])) == "one seed: convergence cannot be judged"
-    # a report seed that diverged stopped the doubling, not the cap: said
-    stopped = {**_sloped_row(spread[:4]), "diverged_seeds": [5]}
-    assert flag(stopped).endswith("not doubled further: a report seed diverged at this length)")
-    assert flag(_sloped_row(spread)).endswith("the rounds were doubled at most 2 times)")
-    # extra seeds (run for an undecided claim at the same rounds) do not move the judgement:
-    # it is the report seeds' rule, the one that doubled the rounds
-    extra = _sloped_row(flat)
-    extra["per_seed"].update({seed: {"slope": 0.01} for seed in protocol.EXTRA_SEEDS})
-    assert flag(extra) == ""
+    # informative only: the rounds were fixed on validation before the report seeds ran
+    assert flag(_sloped_row(spread)).endswith(
+        "the scenario's rounds were fixed on validation before any report seed ran, at most 2 "
+        "doublings)")

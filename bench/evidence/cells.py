@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from bench.evidence import protocol
+from bench.evidence.mechanism import MU_DENSITY, mechanism_off, recorded_mu_density
 from bench.evidence.protocol import (
     SCENARIOS,
     Ablation,
     Entry,
+    ablation_seeds,
     cell_path,
     cells_folder,
     expand,
+    exploratory_seeds,
     learning_rate_stage,
     next_learning_rate,
     settings_stage,
     with_change,
 )
+from bench.evidence.rounds import at_length, lengths, prefix, validation_converged
 from bench.report import RESULTS, gpu_name, numerics, produced_by
-from comparison.runs import RunStore
-from comparison.stats import (
-    by_seed_finished,
-    choose,
-    config_tag,
-    converged,
-    not_diverged,
-    slope,
-)
+from comparison.runs import RunStore, read_results
+from comparison.stats import choose, config_tag, not_diverged, run_figures
 from launch.app_project import app_defaults, app_packages
 from launch.federation import FlowerRun, LocalFederation
 from launch.ray_head import gpus_per_client
@@ -43,19 +41,27 @@ class Matrix:
     private SuperLink) when there is one. A tuning cell runs ``common`` under ``tuning`` (its
     pool and validation split), a report or ablation cell ``common`` alone. ``num_clients``
     replaces every scenario's own (tests run three). Where ``common``'s device is ``cuda``,
-    each simulated client gets its share of the GPU (``launch.ray_head.gpus_per_client``)."""
+    each simulated client gets its share of the GPU (``launch.ray_head.gpus_per_client``).
+    ``runs``: where the runs write their output folders (default ``out/matrix/runs``);
+    ``reuse``: the results folder of an earlier protocol whose cells are taken over where
+    they are current (``take_over``)."""
 
     def __init__(self, federation: LocalFederation | None, common: dict[str, Any],
                  out: Path = RESULTS, num_clients: int | None = None,
-                 tuning: dict[str, Any] | None = None) -> None:
+                 tuning: dict[str, Any] | None = None, runs: Path | None = None,
+                 reuse: Path | None = None) -> None:
         self.federation = federation
         self.common = common
         self.tuning = protocol.TUNING if tuning is None else tuning
         self.out = out
+        self.runs = runs or out / "matrix" / "runs"
+        self.reuse = reuse
         self.num_clients = num_clients
         self.device = str(common.get("device", "auto"))
         self.gpus_per_client = gpus_per_client(self.device)
         self.store = RunStore(app_defaults(ROOT), REGISTRY, self._run, stamp=self._stamp)
+        self._rounds: dict[str, int] = {}  # a scenario's R, once fixed (it never changes)
+        self._chosen: dict[str, list[tuple[Entry, dict[str, Any]]] | None] = {}
 
     def clients(self, scenario: str) -> int:
         return self.num_clients or SCENARIOS[scenario].num_clients
@@ -86,17 +92,47 @@ class Matrix:
         is a result, stored as such, at every stage: a run here is the same run again
         (``numerics``), so running it again would diverge again, and running it until it
         does not would report the lucky run. A report seed can diverge where a row runs a
-        configuration chosen on another scenario (``searched_on``)."""
+        configuration chosen on another scenario (``searched_on``). A Factorized-FL cell run
+        here carries mu's density where the run recorded it (``mechanism.MU_DENSITY``)."""
         path = cell_path(self.out, scenario, item.label, stage, config, seed, self.device)
         cells = self.out / "matrix" / cells_folder(self.device)
-        out = self.out / "matrix" / "runs" / path.relative_to(cells).with_suffix("")
-        return self.store.get(
-            path, self.run_config(scenario, item, stage, config, seed, out),
-            name=f"{scenario} {item.label} {config_tag(config)} seed {seed}",
+        out = self.runs / path.relative_to(cells).with_suffix("")
+        run_config = self.run_config(scenario, item, stage, config, seed, out)
+        context = {"num_clients": self.clients(scenario)}
+        if not path.exists() and stage != "privacy":
+            self.take_over(path, path.relative_to(self.out), run_config, context)
+        fresh = not path.exists()
+        entry = self.store.get(
+            path, run_config, name=f"{scenario} {item.label} {config_tag(config)} seed {seed}",
             about={"scenario": scenario, "label": item.label, "stage": stage,
                    "config": config, "seed": seed},
-            context={"num_clients": self.clients(scenario)},
-            may_run=may_run and self.federation is not None, diverged_is_result=True)
+            context=context, may_run=may_run and self.federation is not None,
+            diverged_is_result=True)
+        if fresh and entry is not None and item.method == "factorized-fl":
+            density = recorded_mu_density(read_results(out))
+            if density is None:
+                print(f"{path.name}: no mu density recorded (TODO(mu_density), "
+                      "bench/evidence/mechanism.py)", file=sys.stderr)
+            else:
+                entry[MU_DENSITY] = density
+                path.write_text(json.dumps(entry, indent=1))
+        return entry
+
+    def take_over(self, path: Path, relative: Path, run_config: dict[str, Any],
+                  context: dict[str, Any]) -> None:
+        """An earlier protocol's cell of the same run, copied to ``path`` (marked
+        ``reused_from``) where it is current: its resolved configuration, the rounds and the
+        data file among it, equals today's up to the keys that change no number, and so does
+        its number of clients (``RunStore.is_current``, the rule every cell is reused by). Not
+        a privacy cell: the accountant changed since v3 (its delta). The app's code is not
+        compared: each cell names the commit that ran it."""
+        old = (self.reuse / relative) if self.reuse is not None else None
+        if old is None or not old.exists():
+            return
+        stored = json.loads(old.read_text())
+        if self.store.is_current(stored, run_config, context):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**stored, "reused_from": str(relative)}, indent=1))
 
     def _run(self, run_config: dict[str, Any], context: dict[str, Any]) -> FlowerRun:
         assert self.federation is not None
@@ -121,7 +157,11 @@ class Matrix:
             return self.searched(other, item, tune)
 
         def cells(configs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
-            return [(c, self.cell(scenario, item, "tune", c, protocol.TUNING_SEED,
+            for c in configs if tune else ():  # before one runs: a searched one is the method
+                if off := mechanism_off(item.method, self._resolved(scenario, item, c)):
+                    raise ValueError(f"{scenario}/{item.label} {config_tag(c)}: {'; '.join(off)}"
+                                     ": an ablation, not a searched configuration")
+            return [(c, self.cell(scenario, item, "tune", c, SCENARIOS[scenario].tuning_seed,
                                   may_run=tune)) for c in configs]
 
         def best(tried: list[tuple[dict[str, Any], Any]]) -> float | None:
@@ -143,47 +183,82 @@ class Matrix:
         (``comparison.stats.choose``; never one round's, never a test split's)."""
         return chosen(self.searched(scenario, item, tune))
 
-    def reported(self, scenario: str, item: Entry, may_run: bool = False
-                 ) -> tuple[dict[str, Any], bool]:
-        """The configuration the row reports, and whether its search is complete: the tuned
-        one at the scenario's rounds, with ``num-server-rounds`` doubled while its report
-        seeds have not converged (``comparison.stats.converged``) and none diverged, at most
-        ``MAX_DOUBLINGS`` times.
-        ``may_run``: run each length's missing report seeds on the way."""
-        config, tuned, _ = self.report_length(scenario, item, may_run)
-        return config, tuned
+    def base_rounds(self, scenario: str) -> int:
+        """The scenario's base rounds: the search's length."""
+        return int({**self.common, **SCENARIOS[scenario].config}["num-server-rounds"])
 
-    def report_length(self, scenario: str, item: Entry, may_run: bool = False
-                      ) -> tuple[dict[str, Any], bool, bool]:
-        """``reported``'s two, and whether the length is settled: its report seeds converged
-        there, one of them diverged there (more rounds would not undo that: the row is
-        reported at that length, the seed named), or it is the last doubling (a missing seed
-        at an earlier length may still double it)."""
-        config, tuned = self.tuned(scenario, item, tune=False)
-        rounds = self._resolved(scenario, item, config)["num-server-rounds"]
-        for doubling in range(protocol.MAX_DOUBLINGS + 1):
-            current = config if doubling == 0 else {**config, "num-server-rounds": rounds}
-            cells = [self.cell(scenario, item, "report", current, seed, may_run=may_run)
-                     for seed in protocol.REPORT_SEEDS]
-            last = doubling == protocol.MAX_DOUBLINGS
+    def rounds(self, scenario: str, may_run: bool = False) -> int | None:
+        """The scenario's rounds R (``bench/evidence/rounds.py``), read from the tuning runs
+        of every row at its chosen configuration, length by length; None while a row's
+        search or one of those runs is missing. ``may_run``: run the missing ones (once every
+        row's search is complete)."""
+        if scenario in self._rounds:
+            return self._rounds[scenario]
+        chosen = self.chosen_configs(scenario)
+        if chosen is None:
+            return None
+        base = self.base_rounds(scenario)
+        for length in lengths(base):
+            cells = [self.cell(scenario, item, "tune", at_length(config, length, base),
+                               SCENARIOS[scenario].tuning_seed, may_run=may_run)
+                     for item, config in chosen]
             if None in cells:
-                return current, tuned, last
-            finished, diverged = by_seed_finished(cells)
-            if diverged or last or converged(
-                    [slope(c["accuracy_per_round"]) for c in finished.values()]):
-                return current, tuned, True
-            rounds *= 2
+                return None
+            if length == lengths(base)[-1] or all(map(validation_converged, cells)):
+                self._rounds[scenario] = length
+                return length
         raise AssertionError("unreachable")
 
+    def chosen_configs(self, scenario: str) -> list[tuple[Entry, dict[str, Any]]] | None:
+        """Every row of the scenario with its chosen configuration; None before all are."""
+        if scenario in self._rounds:  # fixed: every search was complete, and stays so
+            return self._chosen[scenario]
+        chosen = [(item, *self.tuned(scenario, item, tune=False))
+                  for item in SCENARIOS[scenario].entries]
+        self._chosen[scenario] = (None if not all(t for *_, t in chosen)
+                                  else [(i, c) for i, c, _ in chosen])
+        return self._chosen[scenario]
+
+    def length_cells(self, scenario: str) -> dict[int, dict[str, dict[str, Any]]]:
+        """The tuning runs the scenario's rounds were read from, by length and row (up to R;
+        those stored while R is not fixed)."""
+        chosen, base = self.chosen_configs(scenario) or [], self.base_rounds(scenario)
+        rounds = self.rounds(scenario)
+        return {length: found for length in lengths(base) if rounds is None or length <= rounds
+                if (found := {item.label: c for item, config in chosen
+                              if (c := self.cell(scenario, item, "tune",
+                                                 at_length(config, length, base),
+                                                 SCENARIOS[scenario].tuning_seed,
+                                                 may_run=False))})}
+
+    def validation(self, scenario: str, item: Entry) -> dict[str, float] | None:
+        """The row's figures on validation at the scenario's rounds (its tuning run at its
+        chosen configuration there): what a claim's reference is chosen by, never a report
+        seed's. None before R is fixed, or where that run diverged."""
+        rounds = self.rounds(scenario)
+        cell = self.length_cells(scenario).get(rounds or -1, {}).get(item.label)
+        if cell is None or cell.get("status") == "diverged":
+            return None
+        figures = run_figures(cell)
+        return {k: figures[k] for k in ("accuracy", "task_accuracy") if k in figures}
+
+    def reported(self, scenario: str, item: Entry) -> tuple[dict[str, Any], bool]:
+        """The configuration the row reports, and whether its search is complete: the tuned
+        one (its defaults while not) at the scenario's rounds R, at its base rounds while R is
+        not fixed (``--stage report`` alone: provisional)."""
+        config, tuned = self.tuned(scenario, item, tune=False)
+        base = self.base_rounds(scenario)
+        return at_length(config, self.rounds(scenario) or base, base), tuned
+
     def ablation(self, ablation: Ablation, may_run: bool = True) -> list[dict[str, Any]]:
-        """The ablation's cells on the report seeds, at the rounds its row reports: none
-        before its row is tuned and that length is settled (``report_length``: a length its
-        row may still double past is not its length), nor where the change is already the
+        """The ablation's cells (``protocol.ablation_seeds``), at the scenario's rounds R:
+        none before its row is tuned and R is fixed, nor where the change is already the
         row's configuration (``redundant``)."""
         item = row_entry(ablation.scenario, ablation.label)
-        config, tuned, settled = self.report_length(ablation.scenario, item)
+        config, tuned = self.reported(ablation.scenario, item)
         why = ("not tuned yet" if not tuned
-               else "its rounds are not settled (a report seed is missing)" if not settled
+               else "its scenario's rounds are not fixed yet" if self.rounds(
+                   ablation.scenario) is None
                else "the row's configuration already has this change: its own cells answer "
                     "the question" if self.unchanged(ablation.scenario, item, config,
                                                      ablation.change)
@@ -193,11 +268,7 @@ class Matrix:
                 print(f"{ablation.scenario}/{ablation.label} {config_tag(ablation.change)}: "
                       f"{why}; no ablation", file=sys.stderr)
             return []
-        # and the extra seeds its row ran for an undecided claim (its reference, FedFac's
-        # random split, is paired seed by seed)
-        extra = [seed for seed in protocol.EXTRA_SEEDS if self.cell(
-            ablation.scenario, item, "report", config, seed, may_run=False) is not None]
-        return [c for seed in (*protocol.REPORT_SEEDS, *extra) if (c := self.cell(
+        return [c for seed in ablation_seeds(ablation) if (c := self.cell(
             ablation.scenario, item, "ablation", with_change(config, ablation.change), seed,
             may_run=may_run)) is not None]
 
@@ -221,20 +292,21 @@ class Matrix:
 
     def privacy(self, entry: Ablation, may_run: bool = True
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """A privacy cell (``protocol.PRIVACY``) on each report seed, and the row's report
-        cells without DP at the same configuration (both empty before the row is tuned): the
-        row's tuned configuration at its scenario's rounds, never a doubled length, so that
-        every row spends the same epsilon at a noise level."""
+        """A privacy cell (``protocol.PRIVACY``) on each exploratory seed, and the row's report
+        cells without DP on the same seeds, read at the base rounds (``rounds.prefix``; both
+        empty before the row is tuned): the row's tuned configuration at its scenario's base
+        rounds, whatever its R, so that every row spends the same epsilon at a noise level."""
         item = row_entry(entry.scenario, entry.label)
         config, tuned = self.tuned(entry.scenario, item, tune=False)
         if not tuned:
             return [], []
-        level = with_change(config, entry.change)
-        private = [c for seed in protocol.REPORT_SEEDS
+        level, base = with_change(config, entry.change), self.base_rounds(entry.scenario)
+        private = [c for seed in exploratory_seeds()
                    if (c := self.cell(entry.scenario, item, "privacy", level, seed,
                                       may_run=may_run)) is not None]
-        clean = [c for seed in protocol.REPORT_SEEDS
-                 if (c := self.cell(entry.scenario, item, "report", config, seed,
+        reported, _ = self.reported(entry.scenario, item)
+        clean = [prefix(c, base) for seed in exploratory_seeds()
+                 if (c := self.cell(entry.scenario, item, "report", reported, seed,
                                     may_run=False)) is not None]
         return private, clean
 
@@ -261,19 +333,31 @@ def select(scenarios: list[str], only: list[str]) -> list[tuple[str, Entry]]:
 
 
 def run(matrix: Matrix, chosen: list[tuple[str, Entry]], stage: str) -> None:
-    """Row by row, in the order given: its tuning runs, then its report seeds, with more
-    rounds until it converges (so a stop leaves whole rows behind). A row whose search did
-    not complete (a tuning run failed) runs no report seed on ``all``: they would run its
-    defaults, which ``report`` alone is for."""
-    for scenario, item in chosen:
-        if stage in ("tune", "all"):
-            _, tuned = matrix.tuned(scenario, item, tune=True)
-            if not tuned:
-                print(f"{scenario}/{item.label}: its search did not complete (a tuning run "
-                      "failed: above)" + ("; no report seeds" if stage == "all" else ""),
+    """Scenario by scenario, in the order given: each chosen row's search, then the scenario's
+    rounds R (``Matrix.rounds``: its rows' tuning runs at longer lengths, once every row of it
+    is tuned), then each chosen row's report seeds at R, row by row (so a stop leaves whole
+    rows behind). No report seed runs on ``all`` before R is fixed, nor for a row whose
+    search did not complete (a tuning run failed): they would run its defaults at the base
+    rounds, which ``report`` alone is for."""
+    for scenario in dict.fromkeys(s for s, _ in chosen):
+        items = [item for s, item in chosen if s == scenario]
+        tuned = {item.label: matrix.tuned(scenario, item, tune=stage != "report")[1]
+                 for item in items}
+        if stage != "report":
+            for label in [label for label, done in tuned.items() if not done]:
+                print(f"{scenario}/{label}: its search did not complete (a tuning run failed: "
+                      "above)" + ("; no report seeds" if stage == "all" else ""),
                       file=sys.stderr)
+            if matrix.rounds(scenario, may_run=True) is None:
+                print(f"{scenario}: its rounds are not fixed yet (every row's search complete, "
+                      "then their tuning runs at longer lengths)"
+                      + ("; no report seeds" if stage == "all" else ""), file=sys.stderr)
                 continue
-        if stage in ("report", "all"):
-            matrix.reported(scenario, item, may_run=True)
-
-
+        if stage == "tune":
+            continue
+        for item in items:
+            if stage == "all" and not tuned[item.label]:
+                continue
+            config, _ = matrix.reported(scenario, item)
+            for seed in protocol.REPORT_SEEDS:
+                matrix.cell(scenario, item, "report", config, seed)

@@ -8,10 +8,10 @@ measured** while a row, its reference or one of their report seeds is missing, o
 those seeds diverged (it has no pair; the claim's line names it). Beside the
 verdict, ``interval`` says where the interval lies: above the margin (held), below it (a clear
 failure) or across it (the seeds cannot tell). A reference named by several labels is the
-best of them by its mean figure (the claim's: accuracy or task accuracy) over the
-``REPORT_SEEDS``, so that extra seeds, run for some rows only, cannot change it (the
-strongest competitor; choosing it on the seeds it is judged on favours the reference a
-little: the verdicts err towards "did not hold"). An uplink bound compares uplink per round.
+best of them by its figure (the claim's: accuracy or task accuracy) on validation at the
+scenario's rounds (``Matrix.validation``: its tuning run at its chosen configuration), never
+by a report seed (protocol v4; v3 chose it on the report seeds it was judged on). An uplink
+bound compares uplink per round.
 
 Every claim also gets a **superiority** verdict (the same interval against a margin of 0: is the
 method better at all?) and, where the paper reports the same comparison, the paper's own
@@ -20,10 +20,17 @@ reachable here, ``paper_source`` says so); the report says on which side: the in
 the paper's difference is not reproduced (worse here); above it, better here than the paper
 reports; inside it, reproduced.
 
-More seeds, a rule fixed before they run: a claim whose interval lies across its margin after
-the ``REPORT_SEEDS`` gets its row and its reference run on ``EXTRA_SEEDS`` too (the reference
-chosen on the first seeds stays), and is judged once more on all of them; no further seed is
-added whatever the result (``undecided``).
+Seeds: every claim is judged once, on all ten ``REPORT_SEEDS``, which every row runs from the
+start (protocol v4): no seed is added on a result. v3 added seeds 6-10 where an interval lay
+across its margin after seeds 1-5 and judged again: two looks at 2.5% each, a false "held"
+rate of 4.3% at the margin. The alternative kept the looks, each at 97.5% (1.25% a side);
+ten seeds from the start keep one look at the nominal level, give every row the same seeds
+(the pick reads them too), and leave nothing to decide on a report seed.
+
+Primary and exploratory: ``PRIMARY`` names one or two claims per paper method, its paper's
+central claim in our regime, written down before the v4 re-run; they are judged together with
+Holm's correction (``bench/evidence/multiplicity.py``: ``ci95_adjusted``, ``verdict_adjusted``
+beside the unadjusted). Every other claim is exploratory, its verdict unadjusted.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.evidence import protocol
+from bench.evidence.multiplicity import holm
 from bench.evidence.protocol import BASELINES, SAME_SIZE_RANDOM_SPLIT
-from bench.evidence.stats import diverged_report_seeds, flag, report_seeds_stats
+from bench.evidence.stats import diverged_report_seeds, flag
 from comparison.stats import accuracy_difference, config_tag, judge_difference, seeds_named
 
 BEST_BASELINE = BASELINES
@@ -54,6 +62,7 @@ class Claim:
     figure: str = "accuracy"
     paper_effect: float | None = None       # the paper's own difference, in accuracy
     paper_source: str = ""                  # where the paper reports it, or why not found
+    primary: bool = False                   # in the primary family (``PRIMARY``)
 
 
 # The papers' own differences where their tables give the same comparison (accuracy, as a
@@ -72,6 +81,27 @@ NOT_REACHABLE = {
     "pfedc": "pFedC's paper (IEEE TMC 2025) is closed access",
     "factorized-fl": "Factorized-FL's tables (arXiv 2202.00270) were not reachable here",
 }
+
+
+# The primary family, named before protocol v4's re-run: per paper method its central claim in
+# our regime, a margin of one point against the strongest competitor its paper names.
+# FedDecomp: as good as the best baseline under label skew (its setting, Dirichlet 0.1).
+# FedFac: the dynamic mode (its paper's later version's) as good as the best baseline, and its
+# estimated split as good as a random one of the same size (what the factor analysis is for).
+# pFedC: as good as the best baseline on pathological-2 (its setting), on the mean over tasks
+# (its paper's figure) and per client (the matrix's). Factorized-FL: as good as Local at a
+# twentieth of FedAvg's uplink, with label (permuted labels) and with feature (rotated groups)
+# heterogeneity, its paper's two kinds.
+PRIMARY = frozenset({
+    "feddecomp not below the best baseline by more than 1 point on dirichlet-0.1",
+    "fedfac@dynamic not below the best baseline by more than 1 point on dirichlet-0.1",
+    "FedFac (fedfac@dynamic) split not below a random split of the same size by more than 1 "
+    "point on Dirichlet 0.1",
+    "pfedc not below the best baseline by more than 1 point on pathological-2",
+    "pfedc not below the best baseline by more than 1 point on pathological-2 (task accuracy)",
+    "Factorized-FL >= Local - 1 point on permuted-labels at <= 1/20 of FedAvg's uplink",
+    "Factorized-FL >= Local - 1 point on feature-shift at <= 1/20 of FedAvg's uplink",
+})
 
 
 def _paper_claims() -> list[Claim]:
@@ -119,7 +149,8 @@ def _paper_claims() -> list[Claim]:
     # pFedC's paper reports the mean accuracy over tasks: each of its claims on that figure too
     out += [dataclasses.replace(c, claim=f"{c.claim} (task accuracy)", figure="task_accuracy")
             for c in out if c.method == "pfedc"]
-    return out
+    assert {c.claim for c in out} >= PRIMARY, PRIMARY - {c.claim for c in out}
+    return [dataclasses.replace(c, primary=c.claim in PRIMARY) for c in out]
 
 
 CLAIMS = _paper_claims()
@@ -142,7 +173,9 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
 
     record: dict[str, Any] = {"claim": claim.claim, "scenario": claim.scenario,
                               "method": claim.method, "reference": None,
+                              "primary": claim.primary,
                               "figure": claim.figure, "margin": claim.margin,
+                              "max_uplink_share": claim.max_uplink_share,
                               "paired_diffs": [], "mean_diff": None, "ci95": None,
                               "verdict": "not measured", "superiority": "not measured",
                               "paper_effect": claim.paper_effect,
@@ -167,17 +200,22 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
     else:
         candidates = [(label, rows.get(label)) for label in claim.reference
                       if label != claim.method]
-        if not all(complete(r) and has_figure(r) for _, r in candidates):
-            reference = None
+        if not all(complete(r) and has_figure(r) and claim.figure in (r.get("validation") or {})
+                   for _, r in candidates):
+            reference = None  # chosen on validation only: every candidate's figure there
         else:
-            label, best = max(candidates,
-                              key=lambda lr: report_seeds_stats(lr[1], claim.figure)[0])
+            label, best = max(candidates, key=lambda lr: lr[1]["validation"][claim.figure])
             reference = {"label": label, "per_seed": best["per_seed"], "row": best}
     fedavg = rows.get("fedavg")
     if (not complete(row) or reference is None
             or not (has_figure(row) and has_figure(reference))
             or (claim.max_uplink_share is not None and not complete(fedavg))):
         return record
+    # a collapsed seed of the row or its reference stays in the pair (leaving it out would
+    # flatter one side): named
+    record["unstable"] = {label: r["unstable_seeds"] for label, r in (
+        (claim.method, row), (reference["label"], reference.get("row")))
+        if r is not None and r.get("unstable_seeds")}
     diff = accuracy_difference(row, reference, claim.figure)
     low, high = diff["ci95"] or (diff["mean_diff"], diff["mean_diff"])
     judged = judge_difference(diff, claim.margin)
@@ -206,21 +244,10 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
 def claims(stats: dict[str, dict[str, dict[str, Any]]],
            ablated: dict[tuple[str, str, str], dict[str, Any]] | None = None
            ) -> list[dict[str, Any]]:
-    return [judge(claim, stats, ablated) for claim in CLAIMS]
-
-
-def undecided(judged: list[dict[str, Any]]) -> set[tuple[str, str]]:
-    """The rows (scenario, label) that ``EXTRA_SEEDS`` are run for: the row and the reference
-    of every claim whose interval lies across its margin on fewer seeds than the rule
-    allows (a random-split reference is the row's own ablation, run with it)."""
-    most = len(protocol.REPORT_SEEDS) + len(protocol.EXTRA_SEEDS)
-    out = set()
-    for record in judged:
-        if record.get("interval") == "across the margin" and len(record["paired_diffs"]) < most:
-            out.add((record["scenario"], record["method"]))
-            label = record["reference"].split(",", 1)[0]
-            out.add((record["scenario"], label))
-    return out
+    """Every claim judged; the primary ones also with Holm's correction over their family."""
+    records = [judge(claim, stats, ablated) for claim in CLAIMS]
+    holm(records)
+    return records
 
 
 def claim_line(record: dict[str, Any]) -> str:
@@ -232,8 +259,8 @@ def claim_line(record: dict[str, Any]) -> str:
     if record["verdict"] == "not measured":
         rows = "".join(f"; {label} diverged on {seeds_named(seeds)}"
                        for label, seeds in record.get("diverged", {}).items())
-        return (f"- {record['claim']}: **not measured** (rows missing or incomplete{rows}"
-                f"{diverged})")
+        return (f"- {kind(record)}{record['claim']}: **not measured** (rows missing or "
+                f"incomplete{rows}{diverged})")
     low, high = record["ci95"]
     uplink = (f"; uplink {100 * record['uplink_share_of_fedavg']:.1f}% of FedAvg's a round"
               if "uplink_share_of_fedavg" in record else "")
@@ -250,8 +277,26 @@ def claim_line(record: dict[str, Any]) -> str:
         paper = f"paper {100 * record['paper_effect']:+.1f} ({record['paper_source']}): {side}"
     unconverged = (f"; ⚑ not converged: {', '.join(record['not_converged'])} (below)"
                    if record["not_converged"] else "")
-    return (f"- {record['claim']}: **{record['verdict']}** (against {record['reference']}"
+    unstable = "".join(f"; {label} unstable on {seeds_named(seeds)} (kept in the pair)"
+                       for label, seeds in record.get("unstable", {}).items())
+    return (f"- {kind(record)}{record['claim']}: **{record['verdict']}** (against "
+            f"{record['reference']}"
             f"{figure}: {100 * record['mean_diff']:+.1f} points, 95% interval "
             f"[{100 * low:+.1f}, {100 * high:+.1f}] over {len(record['paired_diffs'])} seeds, "
             f"{record['interval']} {100 * record['margin']:+.0f}{uplink}; better at all: "
-            f"{record['superiority']}; {paper}{unconverged}{diverged})")
+            f"{record['superiority']}; {paper}{unconverged}{unstable}{diverged})"
+            + adjusted(record))
+
+
+def kind(record: dict[str, Any]) -> str:
+    return "(primary) " if record.get("primary") else "(exploratory) "
+
+
+def adjusted(record: dict[str, Any]) -> str:
+    """A primary claim's Holm-adjusted interval and verdict, after its line."""
+    if not record.get("primary") or record.get("ci95_adjusted") is None:
+        return ""
+    low, high = record["ci95_adjusted"]
+    return (f"; Holm (step {record['holm_step']} of {record['holm_family']}, one-sided level "
+            f"{record['holm_level']:.4f}): [{100 * low:+.1f}, {100 * high:+.1f}], "
+            f"**{record['verdict_adjusted']}**")

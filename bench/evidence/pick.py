@@ -1,9 +1,22 @@
-"""What to pick, per scenario: the row with the best accuracy over the report seeds (which
-every complete row has; one still missing some is marked provisional), and the rows
-statistically tied with it (the 95% interval of their paired difference against it, over the
-seeds both ran, does not exclude 0), with each one's uplink. A row that diverged on a report
-seed is never picked (a user running it may meet that split), only named. The table the
-report, and the README's benchmark section, open with."""
+"""What to pick, per scenario, at its rounds R (every row ran them): a ``pick`` a user can read.
+
+- ``run``: the stable row with the best mean accuracy over the report seeds. A row is stable
+  when none of its report seeds is unstable (diverged or collapsed: ``stats.unstable``), the
+  same rule for every row; an unstable row is never ``run`` or ``also`` (a user running it may
+  meet that seed), however high its other seeds.
+- ``also``: the stable rows within the non-inferiority margin of it, one point at equal
+  rounds: the 95% interval of their paired difference against it lies at or above -1 point
+  (``judge_difference``, the claims' rule). Not "an interval that includes 0", which calls a
+  noisy row tied through its spread.
+- ``avoid``: the unstable rows, and the rows clearly worse: their interval lies wholly below
+  -1 point.
+- the others (an interval across -1 point) are ``undecided``: neither picked nor avoided.
+
+A row still missing report seeds, or one whose search or scenario rounds are not settled, is
+``provisional``; a row without an interval against ``run`` (one common seed) is ``missing``.
+The report's "What to pick" gives one line per scenario, with each row's rounds and uplink a
+round.
+"""
 
 from __future__ import annotations
 
@@ -11,70 +24,78 @@ from typing import Any
 
 from bench.evidence.claims import complete
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.stats import diverged_report_seeds, flag, report_seeds_stats
-from comparison.stats import accuracy_difference, points
+from bench.evidence.stats import flag, report_seeds_stats, uplink_per_round
+from comparison.stats import accuracy_difference, judge_difference, points, seeds_named
+
+MARGIN = -0.01  # one point, the claims' non-inferiority margin
 
 
 def picks(stats: dict[str, dict[str, dict[str, Any]]],
           every_seed_diverged: dict[str, list[str]] | None = None
           ) -> dict[str, dict[str, Any]]:
-    """scenario -> the best row's label (None where every row diverged on a report seed), the
-    tied rows' paired differences against it (label -> ``paired_difference``), the scenario's
-    rows not in yet (no cells, or no interval against the best), the picked rows that had not
-    converged or finished their search, and the rows that diverged on a report seed (with
-    ``every_seed_diverged``, scenario -> the rows not in ``stats`` because every report seed
-    of theirs diverged)."""
+    """scenario -> ``run`` (a label, None where no row is stable), ``also`` and ``undecided``
+    (label -> paired difference against ``run``), ``avoid`` (label -> why), ``missing``,
+    ``provisional`` (``every_seed_diverged``: scenario -> rows not in ``stats`` because every
+    report seed of theirs diverged: avoided)."""
     out = {}
     for scenario, rows in stats.items():
         gone = (every_seed_diverged or {}).get(scenario, [])
-        diverged = [r["label"] for r in rows.values() if diverged_report_seeds(r)] + gone
-        ranked = sorted((r for r in rows.values() if r["label"] not in diverged),
+        avoid = {label: f"unstable: {seeds_named(r['unstable_seeds'])} "
+                        f"({'; '.join(sorted(set(r['unstable_why'].values())))})"
+                 for label, r in rows.items() if r.get("unstable_seeds")}
+        avoid.update({label: "diverged on every report seed" for label in gone})
+        ranked = sorted((r for r in rows.values() if r["label"] not in avoid),
                         key=lambda r: report_seeds_stats(r)[0], reverse=True)
         missing = [e.label for e in SCENARIOS[scenario].entries
                    if e.label not in rows and e.label not in gone]
+        pick: dict[str, Any] = {"run": None, "also": {}, "avoid": avoid, "undecided": {},
+                                "missing": missing, "provisional": []}
+        out[scenario] = pick
         if not ranked:
-            out[scenario] = {"best": None, "tied": {}, "missing": missing, "provisional": [],
-                             "diverged": diverged}
             continue
         best = ranked[0]
-        differences = {r["label"]: accuracy_difference(r, best) for r in ranked[1:]}
-        # a row without an interval against the best (a single common seed) is not judged yet
-        unjudged = [label for label, d in differences.items() if d is None or d["ci95"] is None]
-        tied = {label: d for label, d in differences.items()
-                if label not in unjudged and d["ci95"][1] >= 0}
-        picked = [best["label"], *tied]
-        out[scenario] = {
-            "best": best["label"], "tied": tied,
-            "missing": missing + unjudged,
-            "provisional": [label for label in picked
-                            if not complete(rows[label]) or flag(rows[label])],
-            "diverged": diverged}
+        pick["run"] = best["label"]
+        for r in ranked[1:]:
+            difference = accuracy_difference(r, best)
+            judged = judge_difference(difference, MARGIN)
+            if judged["interval"] is None:  # one common seed: not judged yet
+                pick["missing"].append(r["label"])
+            elif judged["interval"] == "above the margin":
+                pick["also"][r["label"]] = difference
+            elif judged["interval"] == "below the margin":
+                avoid[r["label"]] = f"below it: {points(difference)}"
+            else:
+                pick["undecided"][r["label"]] = difference
+        pick["provisional"] = [label for label in [best["label"], *pick["also"]]
+                               if not complete(rows[label]) or not rows[label].get(
+                                   "rounds_fixed", True) or flag(rows[label])]
     return out
 
 
-def pick_table(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dict[str, Any]]]
+def pick_lines(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dict[str, Any]]]
                ) -> str:
     """Markdown: one line per scenario."""
-    lines = ["| scenario | best: accuracy on the report seeds (mean ± std), uplink MB | "
-             "statistically tied with it: difference in points [95% interval], uplink MB |",
-             "|---|---|---|"]
+    lines = []
     for scenario, pick in picked.items():
         rows = stats[scenario]
-        if pick["best"] is None:
-            lines.append(f"| {scenario} | none: every row in so far diverged on a report seed "
-                         f"({', '.join(pick['diverged'])}) | |")
+
+        def uplink(label: str, rows: dict[str, dict[str, Any]] = rows) -> str:
+            return f"{uplink_per_round(rows[label]):.2f} MB a round"
+
+        if pick["run"] is None:
+            lines.append(f"- **{scenario}**: nothing to run: every row in so far is unstable "
+                         f"({', '.join(pick['avoid'])})")
             continue
-        best = rows[pick["best"]]
+        best = rows[pick["run"]]
         mean, std = report_seeds_stats(best)
-        tied = "; ".join(f"{label} {points(d)}, {rows[label]['mb_up'][0]:.0f} MB"
-                         for label, d in pick["tied"].items()) or "none"
+        also = "; ".join(f"{label} {points(d)}, {uplink(label)}"
+                         for label, d in pick["also"].items()) or "none"
+        avoid = "; ".join(f"{label} ({why})" for label, why in pick["avoid"].items()) or "none"
         notes = ([f"not in yet: {', '.join(pick['missing'])}"] if pick["missing"] else []) + (
-            [f"still provisional (search, seeds or convergence): "
-             f"{', '.join(pick['provisional'])}"]
-            if pick["provisional"] else []) + (
-            [f"diverged on a report seed, not picked: {', '.join(pick['diverged'])}"]
-            if pick["diverged"] else [])
-        lines.append(f"| {scenario} | **{pick['best']}**: {100 * mean:.1f} ± {100 * std:.1f}, "
-                     f"{best['mb_up'][0]:.0f} MB | {tied}"
-                     + (f" ({'; '.join(notes)})" if notes else "") + " |")
+            [f"provisional until their search, rounds, seeds and slope settle: "
+             f"{', '.join(pick['provisional'])}"] if pick["provisional"] else [])
+        lines.append(f"- **{scenario}** ({best['num_rounds']} rounds): run **{pick['run']}** "
+                     f"{100 * mean:.1f} ± {100 * std:.1f}, {uplink(pick['run'])}; also within 1 "
+                     f"point: {also}; avoid: {avoid}"
+                     + (f" ({'; '.join(notes)})" if notes else ""))
     return "\n".join(lines) + "\n"

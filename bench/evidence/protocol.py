@@ -1,11 +1,12 @@
 """The matrix's protocol: the data, the common settings, the scenarios and their rows, the
 search (one learning-rate grid for every row, then further configurations up to the same
-number for every row), the ablations, and where a cell is stored.
+number for every row), the rounds, the seeds, the ablations, and where a cell is stored.
 
 Selection never sees a reported image: a tuning run reads the tuning pool, 5,000 images
 disjoint from the report pool's, and is scored on validation splits carved from its
 clients' training shares (``TUNING``); a report run reads the report pool and is scored on
-its test splits.
+its test splits. Protocol v4 (``PROTOCOL_VERSION``; bench/README.md) adds equal rounds and
+local epochs within a scenario, ten seeds from the start, and each paper method's mechanism.
 """
 
 from __future__ import annotations
@@ -23,18 +24,23 @@ from fldata.sources import idx_pool
 POOL_SIZE = 5000       # images drawn from the 60,000: 250 a client, 125 to train and 125 to test
 REPORT_POOL_SEED, TUNING_POOL_SEED = 0, 1   # the tuning pool is drawn from the other 55,000
 NUM_CLIENTS = 20
+PROTOCOL_VERSION = 4
 TUNING_SEED = 0
-REPORT_SEEDS = (1, 2, 3, 4, 5)
-EXTRA_SEEDS = (6, 7, 8, 9, 10)   # for undecided claims only (bench/evidence/claims.py)
-ROUNDS = 40            # a scenario's rounds, unless it sets its own
-# A row has converged by comparison.stats.converged over its report seeds' slopes (the upper
-# end of their 95% interval at most CONVERGED_SLOPE: one claim margin per 10 rounds); a row
-# that has not runs its report seeds again with twice the rounds, at most MAX_DOUBLINGS times
-# (its search stays at the scenario's rounds).
+# Every row, so every claim, on ten report seeds from the start: no decision about seeds reads
+# a report seed, and a claim is judged once at its level (v3's seeds 6-10 for an interval across
+# its margin raised a false "held" from 2.5% to 4.3%). The first ten seeds from 1 whose partition
+# of the report pool every scenario can draw (the labels alone decide: 3 and 9-12 give no draw
+# of 100 clients of 10 images at Dirichlet 0.3; tests/test_matrix_v4.py). Exploratory cells
+# (ablations that are no claim's reference, privacy) run on the first EXPLORATORY_SEEDS.
+REPORT_SEEDS = (1, 2, 4, 5, 6, 7, 8, 13, 14, 15)
+EXPLORATORY_SEEDS = 5
+ROUNDS = 40            # a scenario's base rounds, unless it sets its own
+# A scenario's rounds R (bench/evidence/rounds.py): the smallest of its base rounds and their
+# doublings (at most MAX_DOUBLINGS) at which every row's tuning run at its chosen configuration
+# has converged on validation; every row then runs R rounds on every report seed.
 MAX_DOUBLINGS = 2
 # LeNet-5 (the pFedC paper's MNIST model, with BatchNorm): a third of the CNN's cost on 2
-# cores, so that five report seeds, 40 rounds and the papers' 5 local epochs fit the machine.
-# Half of each client's share is its test split: 125 training images keep Local off the
+# cores. Half of each client's share is its test split: 125 training images keep Local off the
 # ceiling 200 gave it (89-98%), and 2,500 test images a scenario halve the noise of 1,000.
 COMMON: dict[str, Any] = {"model": "lenet5", "num-server-rounds": ROUNDS, "local-epochs": 5,
                           "batch-size": 32, "momentum": 0.9, "test-fraction": 0.5,
@@ -50,21 +56,27 @@ LR_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 EXTRA_CONFIGS = 4   # every row's further configurations, at its best learning rate
 # Where a row's best rate is nevertheless an end of the rates it tried, its search goes one
 # step of the grid's spacing further past that end, and again while its best is the new end,
-# at most MAX_LR_STEPS times. Each step takes the place of one of its EXTRA_CONFIGS (its last
-# ones), so that every row still tries len(LR_GRID) + EXTRA_CONFIGS configurations: a rate
-# inside the search matters more than a setting tried at a rate that is not. Written down
-# before the four scenarios after Dirichlet 0.1 were searched (no row there chose an end).
+# at most MAX_LR_STEPS times, each in place of one of its EXTRA_CONFIGS (its last ones), so
+# that every row still tries len(LR_GRID) + EXTRA_CONFIGS configurations.
 LR_BELOW = (0.0003, 0.0001)
 LR_ABOVE = (1.0, 3.0)
 MAX_LR_STEPS = 2
 assert min(len(LR_BELOW), len(LR_ABOVE), EXTRA_CONFIGS) >= MAX_LR_STEPS  # a step per slot
-# What a row without (enough) settings of its own searches instead: the knobs every method has
-COMMON_KNOBS: list[dict[str, Any]] = [{"local-epochs": 2}, {"local-epochs": 10},
-                                      {"weight-decay": 1e-4}, {"weight-decay": 1e-3}]
+# What a row without (enough) settings of its own searches instead: knobs every method has that
+# change what one SGD step does, never how many steps a round takes, so that every row of a
+# scenario computes as much a round (protocol v4; v3's 2 and 10 local epochs let the baselines
+# choose twice the paper methods' computation). Weight decay over two decades; momentum 0.5 in
+# place of 0.9 (a shorter memory: an effective step of 2 lr instead of 10 lr, less drift from
+# the shared model a round, what v3's 2 local epochs offered, at the same computation). Not the
+# batch size: a smaller batch takes more steps an epoch.
+COMMON_KNOBS: list[dict[str, Any]] = [{"weight-decay": 1e-4}, {"weight-decay": 1e-3},
+                                      {"momentum": 0.5}, {"weight-decay": 1e-2}]
 
 # Each method's most influential settings over the range its paper reports, searched at the
 # row's best learning rate (its defaults, the papers' values, ran with the grid above);
-# ``COMMON_KNOBS`` fill each row's further configurations up to ``EXTRA_CONFIGS``.
+# ``COMMON_KNOBS`` fill each row's further configurations up to ``EXTRA_CONFIGS``. A paper
+# method keeps its mechanism in every one (bench/evidence/mechanism.py): turning it off is an
+# ablation (``ABLATIONS``), never a searched configuration.
 SETTINGS: dict[str, list[dict[str, Any]]] = {
     "fedprox": [{"fedprox.mu": mu} for mu in (0.001, 0.1, 0.5, 1.0)],
     "fedrep": [{"fedrep.head-epochs": e} for e in (2, 3, 4)],
@@ -72,17 +84,20 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     # conv rank ratio and the epochs on tau
     "feddecomp": [{"feddecomp.tau-scale": "inverse-rank"}, {"feddecomp.tau-scale": "none"},
                   {"feddecomp.rank-conv": 0.3}, {"feddecomp.lora-epochs": 1}],
-    # tau-quantile above 1: the analysed layer wholly personal, the authors' own CIFAR setting
-    "fedfac": [{"fedfac.tau-quantile": 2.0}, {"fedfac.layers": "-3,-2"},
+    # every one a split of the analysed layers (v3's tau-quantile 2.0, the analysed layer wholly
+    # personal, the authors' CIFAR setting, estimates no split: an ablation now)
+    "fedfac": [{"fedfac.tau-quantile": 0.75}, {"fedfac.layers": "-3,-2"},
                {"fedfac.tau-quantile": 0.5}, {"fedfac.tau-quantile": 0.95}],
     "pfedc": [{"pfedc.mgda": False}, {"pfedc.weighting": "counts"}, {"pfedc.tasks": 5},
               {"pfedc.mgda": False, "pfedc.weighting": "counts"}],
-    "factorized-fl": [{"factorized-fl.l1": 0.0},
+    # the row starts mu at zeros, as the paper says (FACTORIZED_FL); the authors' code's Xavier
+    # start is a setting; L1 on mu above 0 in every one (the default 0.0005, a decade either
+    # side): mu is the paper's sparse personal bias (v3 searched l1 = 0, a dense personal
+    # weight, and chose it on three scenarios: an ablation now)
+    "factorized-fl": [{"factorized-fl.mu-init": "xavier"},
                       {"factorized-fl.tau": 0.95, "factorized-fl.epsilon": 20.0,
                        "factorized-fl.min-aggregated": 4},
-                      {"factorized-fl.l1": 0.0, "factorized-fl.tau": 0.95,
-                       "factorized-fl.epsilon": 20.0, "factorized-fl.min-aggregated": 4},
-                      {"factorized-fl.mu-init": "zeros"}],
+                      {"factorized-fl.l1": 0.005}, {"factorized-fl.l1": 0.00005}],
 }
 
 
@@ -104,13 +119,15 @@ def entry(label: str, **fixed: Any) -> Entry:
 class Scenario:
     """A data regime: its run-config overrides, its number of clients and its rows.
     ``searched_on``: its rows report the configuration the same row chose on that scenario
-    instead of searching again (the same for every row; where runs cost most)."""
+    instead of searching again (the same for every row; where runs cost most).
+    ``tuning_seed``: its tuning runs' (search and rounds)."""
 
     config: dict[str, Any]
     entries: list[Entry]
     num_clients: int = NUM_CLIENTS
     question: str = ""
     searched_on: str | None = None
+    tuning_seed: int = TUNING_SEED
 
 
 FEDFAC_STATIC = entry("fedfac")
@@ -118,8 +135,10 @@ FEDFAC_DYNAMIC = entry("fedfac@dynamic", fedfac__mode="dynamic")
 # FedDecomp's paper trains B A for 2 of its 5 local epochs (the app's default, 1, is for its
 # default of 2 local epochs)
 FEDDECOMP = Entry("feddecomp", "feddecomp", {"feddecomp.lora-epochs": 2})
-PAPER_METHODS = [FEDDECOMP, FEDFAC_STATIC, FEDFAC_DYNAMIC, entry("pfedc"),
-                 entry("factorized-fl")]
+# Factorized-FL's mu starts at zeros, as its paper says (the layer starts as u v^T); the app's
+# default, Xavier, is its authors' code's start, searched as a setting
+FACTORIZED_FL = Entry("factorized-fl", "factorized-fl", {"factorized-fl.mu-init": "zeros"})
+PAPER_METHODS = [FEDDECOMP, FEDFAC_STATIC, FEDFAC_DYNAMIC, entry("pfedc"), FACTORIZED_FL]
 
 # Each paper's method on its paper's scenario, all of them on the shared Dirichlet 0.1 and on
 # cross-device, baselines everywhere.
@@ -134,17 +153,17 @@ SCENARIOS: dict[str, Scenario] = {
         question="two classes a client (pFedC's setting)"),
     "permuted-labels": Scenario(
         {"partitioner": "iid", "permute-labels": True},
-        [*map(entry, BASELINES), entry("factorized-fl")],
+        [*map(entry, BASELINES), FACTORIZED_FL],
         question="each client its own label permutation (Factorized-FL's setting)"),
     "feature-shift": Scenario(
         {"partitioner": "iid", "feature-shift": "rotate", "feature-shift-groups": 4},
-        [*map(entry, BASELINES), entry("factorized-fl")],
+        [*map(entry, BASELINES), FACTORIZED_FL],
         question="four client groups whose images are rotated by 0, 90, 180, 270 degrees, "
                  "labels IID (multi-domain, as Factorized-FL's and FedBN's)"),
     "feature-shift-skew": Scenario(
         {"partitioner": "dirichlet", "dirichlet-alpha": 0.5, "feature-shift": "rotate",
          "feature-shift-groups": 4},
-        [*map(entry, BASELINES), entry("factorized-fl")],
+        [*map(entry, BASELINES), FACTORIZED_FL],
         question="the same rotated groups with label skew (Dirichlet 0.5)",
         searched_on="feature-shift"),
     "cross-device": Scenario(
@@ -153,7 +172,9 @@ SCENARIOS: dict[str, Scenario] = {
         {"partitioner": "dirichlet", "dirichlet-alpha": 0.3, "fraction-train": 0.1,
          "num-server-rounds": 160, "evaluate-every": 10},
         [*map(entry, BASELINES), *PAPER_METHODS], num_clients=100,
-        searched_on="dirichlet-0.1",
+        # seed 0 draws no partition of the tuning pool giving 100 clients 10 images each at
+        # Dirichlet 0.3; 1 does (that pool shares no image with report seed 1's)
+        searched_on="dirichlet-0.1", tuning_seed=1,
         question="100 clients of 10 to 145 images (median 44; Dirichlet 0.3, as 0.1 cannot "
                  "give each of 100 clients 10 of the 5,000), 10 a round, 160 rounds (FedFac's "
                  "setting; a client takes part about 16 times, and at 80 rounds Local, FedBN "
@@ -200,10 +221,8 @@ ABLATIONS = [
              "Class branches kept personal (eq. 7's averaging off), all else the row's: what "
              "the averaging is worth."),
     pfedc_without_mgda("pathological-2"),
-    # Factorized-FL is below the baselines that share the whole body on both of its scenarios:
-    # 8 points below FedPer on permuted labels (level with Local), 4 below FedBN on rotated
-    # groups; with label skew added, half a point below Local with an interval across the
-    # margin. Is it what stays personal (v, mu), or the factorized layers themselves?
+    # v3: Factorized-FL below the baselines that share the whole body (8 points below FedPer
+    # on permuted labels): is it what stays personal (v, mu), or the factorized layers?
     *(ablation
       for scenario in ("permuted-labels", "feature-shift", "feature-shift-skew")
       for ablation in (
@@ -235,21 +254,40 @@ ABLATIONS = [
     pfedc_without_mgda("cross-device"),
     # Factorized-FL keeps v and mu personal; a client trains about 8 times in 80 rounds.
     factorized_fl_all_shared("cross-device"),
+    # Each paper method's mechanism turned off: an ablation, never a searched configuration.
+    # Factorized-FL without L1 on mu, what v3's row chose on three scenarios (0.2-0.4 points).
+    *(Ablation(scenario, "factorized-fl", {"factorized-fl.l1": 0.0},
+               "No L1 penalty on mu (a dense personal weight instead of the paper's sparse "
+               "bias), all else the row's: what the sparsity costs or gains.")
+      for scenario in ("permuted-labels", "feature-shift")),
+    # FedFac's analysed layer wholly personal (its authors' CIFAR setting): no split
+    Ablation("dirichlet-0.1", "fedfac@dynamic", {"fedfac.tau-quantile": 2.0},
+             "The analysed layer wholly personal (no element shared, no split estimated), all "
+             "else the row's: what the estimated split is worth over a personal layer."),
 ]
 
 
+def exploratory_seeds() -> tuple[int, ...]:
+    """The report seeds the exploratory cells run on: the first ``EXPLORATORY_SEEDS``."""
+    return REPORT_SEEDS[:EXPLORATORY_SEEDS]
+
+
+def ablation_seeds(ablation: Ablation) -> tuple[int, ...]:
+    """Every report seed for the reference of a claim (FedFac's random split of the same
+    size), the exploratory seeds for the others (they explain, they judge nothing)."""
+    return REPORT_SEEDS if ablation.change == SAME_SIZE_RANDOM_SPLIT else exploratory_seeds()
+
+
 # Client-level differential privacy (docs/privacy.md), after the ablations: each row below at
-# its tuned configuration and its scenario's rounds (so that every row spends the same
-# epsilon at a noise level), on the report seeds, under local DP, the one mode every paper
-# method runs under (pFedC's, Factorized-FL's and FedFac's servers read each upload).
+# its tuned configuration and its scenario's base rounds (so that every row spends the same
+# epsilon at a noise level, whatever R), on the exploratory seeds, against the same seeds'
+# report cells read at the base rounds (rounds.prefix), under local DP, the one mode every
+# paper method runs under (pFedC's, Factorized-FL's and FedFac's servers read each upload).
 # PRIVACY_CLIP_NORM: the median L2 norm of the 20 clients' first-round updates (FedAvg,
 # lr 0.01, LeNet-5) on the tuning pool was 1.30 (0.22 to 2.24), rounded down: Andrew et al.
-# clip at the median. The noise multipliers span a decade each: at 0.01 the noise's norm over
-# LeNet-5's 62,000 parameters, averaged over 20 clients, is about half the clip norm; at 1.0
-# it is about 50 times it. Kept after FedAvg diverged at 1.0 on Dirichlet 0.1: the levels were
-# written down before any privacy cell ran, and moving them on a row's outcome would choose
-# the protocol on the evidence. None gives a meaningful epsilon with 20 clients in each of 40
-# rounds (1.0 spends 110 at delta 0.037): that, and which rows survive 1.0, is the finding.
+# clip at the median. The noise multipliers span a decade each (at 0.01 the noise's norm over
+# 62,000 parameters, averaged over 20 clients, is about half the clip norm; at 1.0 about 50
+# times it), written down before any privacy cell ran and kept after FedAvg diverged at 1.0.
 PRIVACY_SCENARIOS = ("dirichlet-0.1", "cross-device")
 PRIVACY_LABELS = ("fedavg", "fedper", "feddecomp", "fedfac", "factorized-fl", "pfedc")
 PRIVACY_REFERENCES = ("fedavg", "fedper")
@@ -314,6 +352,13 @@ def settings_stage(method: str, lr: float, count: int = EXTRA_CONFIGS) -> list[d
     (``SETTINGS``), then the common knobs (``COMMON_KNOBS``)."""
     changes = [*SETTINGS.get(method, []), *COMMON_KNOBS][:count]
     return [{"lr": lr, **change} for change in changes]
+
+
+def results_folder(results: Path) -> Path:
+    """Where this protocol's cells, report and summary go under ``bench/results``: apart from
+    v3's (``results/report.md``, ``results/matrix/``), which stay the published evidence until
+    v4 is complete."""
+    return results / f"matrix-v{PROTOCOL_VERSION}"
 
 
 def cells_folder(device: str = "auto") -> str:

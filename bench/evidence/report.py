@@ -1,4 +1,4 @@
-"""report.md and its plots, written from the stored cells."""
+"""report.md and its plots, written from the stored cells (summary.json: ``summary.py``)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,22 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import claim_line, claims
-from bench.evidence.pick import pick_table, picks
+from bench.evidence.pick import pick_lines, picks
 from bench.evidence.privacy import privacy_plots, privacy_stats, privacy_summary, privacy_tables
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS, cells_folder
 from bench.evidence.stats import (
     ablation_stats,
-    diverged_report_seeds,
     flag,
     report_seeds_stats,
     row_stats,
-    slope_ci95,
+    uplink_per_round,
 )
+from bench.evidence.summary import lr_at_grid_end, searched_rates, summary, thinned
 from bench.report import produced_by
 from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
-from comparison.stats import (
-    CONVERGED_SLOPE,
-    accuracy_difference,
-    config_tag,
-    last_rounds_mean,
-    points,
-    seeds_named,
-)
+from comparison.stats import CONVERGED_SLOPE, accuracy_difference, config_tag, points, seeds_named
+
+__all__ = ["lr_at_grid_end", "thinned", "write_report"]
 
 # Where a method here differs from its paper in a way that could move one of its verdicts;
 # each page's "Deviations" section has the whole list.
@@ -39,8 +34,8 @@ DEVIATIONS = [
      "on min(I, O) * K), not the authors' int(ratio * O) * K rows; their scale is followed"),
     ("FedDecomp", "feddecomp", "sigma is averaged over the clients that replied, not over all "
      "clients as the authors' code does (cross-device only)"),
-    ("Factorized-FL", "factorized-fl", "mu starts Xavier (the authors' code), the paper "
-     "says zeros (both searched)"),
+    ("Factorized-FL", "factorized-fl", "mu starts at zeros as the paper says; the authors' "
+     "code's Xavier start is searched"),
     ("Factorized-FL", "factorized-fl", "absent clients count through their latest upload; "
      "the paper averages over the round's clients (cross-device only)"),
     ("pFedC", "pfedc", "eq. 7 counts absent holders through their latest branches "
@@ -59,92 +54,33 @@ def deviations() -> str:
 
 def seeds_column(result: dict[str, Any]) -> str:
     """A table's seeds column for a row or an ablation: how many finished, and the seeds it
-    diverged on."""
+    diverged on (a row's: the seeds that collapsed too)."""
     diverged = result["diverged_seeds"]
-    return str(result["seeds"]) + (f", diverged on {seeds_named(diverged)}" if diverged else "")
+    collapsed = [s for s in result.get("unstable_seeds", []) if s not in diverged]
+    return (str(result["seeds"]) + (f", diverged on {seeds_named(diverged)}" if diverged else "")
+            + (f", collapsed on {seeds_named(collapsed)}" if collapsed else ""))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| method | chosen configuration (of searched) | seeds | acc, last 5 rounds "
-             "(mean ± std) | task acc | min client | slope (points/round) | uplink MB "
-             "(total) | seconds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | chosen configuration (of searched) | seeds, unstable | acc, last 5 rounds "
+             "(mean ± std) | without unstable seeds | at base rounds | task acc | min client | "
+             "slope (points/round) | uplink MB (total, a round) | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         config = (f"{r['config']} ({len(r['grid'])})" if r["tuned"]
                   else f"{r['config']} (not tuned yet)")
         task = f"{r['accuracy_task'][0]:.4f}" if "accuracy_task" in r else "-"
         slope = f"{100 * r['slope'][0]:+.2f}" + (" ⚑" if flag(r) else "")
+        stable = ("-" if not r["unstable_seeds"] else "none" if r["accuracy_stable"] is None
+                  else f"{r['accuracy_stable'][0]:.4f}")
+        base = (f"{r['at_base']['accuracy'][0]:.4f} ({r['at_base']['rounds']})"
+                if "at_base" in r else "-")
         lines.append(f"| {r['label']} | {config} | {seeds_column(r)} | "
-                     f"{r['accuracy'][0]:.4f} ± {r['accuracy'][1]:.4f} | {task} | "
-                     f"{r['accuracy_min'][0]:.4f} | {slope} | "
-                     f"{r['mb_up'][0]:.2f} | {r['seconds'][0]:.0f} |")
+                     f"{r['accuracy'][0]:.4f} ± {r['accuracy'][1]:.4f} | {stable} | {base} | "
+                     f"{task} | {r['accuracy_min'][0]:.4f} | {slope} | "
+                     f"{r['mb_up'][0]:.2f}, {uplink_per_round(r):.3f} | "
+                     f"{r['seconds'][0]:.0f} |")
     return "\n".join(lines) + "\n"
-
-
-def summary(matrix: Matrix, stats: dict[str, dict[str, dict[str, Any]]],
-            judged: list[dict[str, Any]]) -> dict[str, Any]:
-    """``summary.json``: the protocol, every row's search and seeds, every claim's judgement
-    (accuracies as fractions)."""
-    rows = {}
-    for scenario, entries in stats.items():
-        config = SCENARIOS[scenario].config
-        for label, r in entries.items():
-            rows[f"{scenario}/{label}"] = {
-                "method": r["method"], "num_clients": matrix.clients(scenario),
-                "fraction_train": config.get("fraction-train", 1.0),
-                "rounds": r["num_rounds"],
-                "lr_grid": searched_rates(r), "grid": r["grid"],
-                "lr_at_grid_end": lr_at_grid_end(r),
-                "diverged": r["diverged"], "diverged_seeds": r["diverged_seeds"],
-                "chosen": r["chosen"], "tuned": r["tuned"],
-                "searched_on": SCENARIOS[scenario].searched_on or scenario,
-                "per_seed": {str(c["seed"]): {"last5": r["per_seed"][c["seed"]]["accuracy"],
-                                              "curve": c["accuracy_per_round"],
-                                              **thinned(c),
-                                              **({"task_last5": last_rounds_mean(
-                                                  c["accuracy_task_per_round"])}
-                                                 if "accuracy_task_per_round" in c else {})}
-                             for c in r["cells"]},
-                "mean": r["accuracy"][0], "std": r["accuracy"][1],
-                "slope_last10": r["slope"][0],
-                "slope_ci95": list(slope_ci95(r) or ()), "converged": not flag(r),
-                "flag": flag(r),
-                "mb_up": r["mb_up"][0],
-                **({"task_mean": r["accuracy_task"][0]} if "accuracy_task" in r else {})}
-    return {"protocol": {"version": 3, "rounds": matrix.common["num-server-rounds"],
-                         "tuning_seed": protocol.TUNING_SEED,
-                         "report_seeds": list(protocol.REPORT_SEEDS),
-                         "extra_seeds": list(protocol.EXTRA_SEEDS),
-                         "selection": "validation",
-                         "validation_fraction": protocol.TUNING["validation-fraction"],
-                         "tuning_pool": {"dataset": "fashion-mnist", "size": POOL_SIZE,
-                                         "disjoint_from_report_pool": True},
-                         "converged_slope": CONVERGED_SLOPE,
-                         "max_doublings": protocol.MAX_DOUBLINGS,
-                         "lr_grid": list(protocol.LR_GRID),
-                         "lr_steps_past_the_grid": {"below": list(protocol.LR_BELOW),
-                                                    "above": list(protocol.LR_ABOVE),
-                                                    "at_most": protocol.MAX_LR_STEPS},
-                         "extra_configs": protocol.EXTRA_CONFIGS,
-                         "common_knobs": protocol.COMMON_KNOBS,
-                         "settings": protocol.SETTINGS,
-                         "common": {k: v for k, v in matrix.common.items() if k != "dataset"},
-                         "pool": {"dataset": "fashion-mnist", "size": POOL_SIZE},
-                         "scenarios": {s: {"config": sc.config, "num_clients": sc.num_clients}
-                                       for s, sc in SCENARIOS.items()}},
-            "rows": rows, "claims": judged}
-
-
-def searched_rates(row: dict[str, Any]) -> list[float]:
-    """The learning rates a row's search tried, its steps past the grid included."""
-    return sorted({c["lr"] for c in row["grid"]})
-
-
-def lr_at_grid_end(row: dict[str, Any]) -> bool:
-    """Whether a tuned row's chosen learning rate is the smallest or largest it searched
-    (after its steps past the grid: ``protocol.next_learning_rate``)."""
-    rates = searched_rates(row)
-    return row["tuned"] and row["chosen"]["lr"] in (rates[0], rates[-1])
 
 
 def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
@@ -173,13 +109,6 @@ def ablation_table(ablated: dict[tuple[str, str, str], dict[str, Any]],
             f"{row['accuracy'][0]:.4f} | "
             f"{'no common seed' if difference is None else points(difference)} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
-
-
-def thinned(cell: dict[str, Any]) -> dict[str, list[int]]:
-    """``{"rounds": ...}``, the rounds a cell's curve is of, where that is not every round
-    (``evaluate-every``); else nothing."""
-    rounds = cell["rounds"]
-    return {} if rounds == list(range(1, len(rounds) + 1)) else {"rounds": rounds}
 
 
 def common_rounds(cells: list[dict[str, Any]]) -> tuple[list[int], list[list[float]]]:
@@ -234,25 +163,28 @@ def judged(matrix: Matrix) -> tuple[dict[str, dict[str, dict[str, Any]]],
     return stats, unscored, ablated, claims(stats, ablated)
 
 
-def write_report(matrix: Matrix, command: str) -> str:
-    """report.md, summary.json and the plots, from the cells present."""
-    stats, unscored, ablated, judged_claims = judged(matrix)
-    out = matrix.out
+def header(matrix: Matrix, command: str) -> str:
+    """The report's opening: the cells it is written from and the protocol."""
     cells = [json.loads(c.read_text())
-             for c in sorted((out / "matrix" / cells_folder(matrix.device)).rglob("*.json"))]
+             for c in sorted((matrix.out / "matrix" / cells_folder(matrix.device)).rglob("*.json"))]
+    reused = [c for c in cells if "reused_from" in c]
     commits = collections.Counter(c.get("commit", "not recorded") for c in cells)
-    wall = sum(c.get("wall_seconds", 0.0) for c in cells)
     machines = sorted({c.get("machine", "not recorded") for c in cells})
     numerics = collections.Counter(c.get("numerics", "not recorded") for c in cells)
     shared = ", ".join(f"`{k}={v}`" for k, v in matrix.common.items()
                        if k not in ("dataset", "plot"))
-    parts = [
-        "# Evidence matrix\n\n",
-        f"```\n{command}\n```\n\n",
+    rounds = ", ".join(f"{s} {r}" for s in SCENARIOS if (r := matrix.rounds(s)) is not None)
+
+    def hours(some: list[dict[str, Any]]) -> float:
+        return sum(c.get("wall_seconds", 0.0) for c in some) / 3600
+
+    return (
+        f"# Evidence matrix, protocol v{protocol.PROTOCOL_VERSION}\n\n```\n{command}\n```\n\n"
         f"Written by `bench/matrix.py` (commit `{produced_by()}`) from the stored cells "
         f"(`matrix/{cells_folder(matrix.device)}/`, one JSON per run: {len(cells)} stored, "
-        f"{wall / 3600:.1f} h of runs, start-up included, on {'; '.join(machines) or '-'}; "
-        "the code that ran them: "
+        f"{hours(cells):.1f} h of runs, start-up included, of which {len(reused)} "
+        f"({hours(reused):.1f} h) taken over from protocol v3 where their run is unchanged "
+        f"(`reused_from`); on {'; '.join(machines) or '-'}; the code that ran them: "
         + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + "; the CPU and "
         "numerical packages they ran on, which move a run beyond its last bits (`bench/README"
         ".md`, reproducibility): " + ", ".join(f"{m} {n}" for m, n in sorted(numerics.items()))
@@ -260,55 +192,66 @@ def write_report(matrix: Matrix, command: str) -> str:
         f"Protocol: two pools of {POOL_SIZE} Fashion-MNIST training images from the real IDX "
         "files, disjoint: the report pool (drawn with seed 0), which every reported figure "
         "is computed on, and the tuning pool (drawn from the other 55,000), which every "
-        f"tuning run reads; for every method {shared} (a scenario may set its own rounds). "
+        f"tuning run reads; for every method {shared} (a scenario sets its own base rounds); "
+        "every row of a scenario trains the same local epochs. "
         f"Search on seed {protocol.TUNING_SEED}, the same budget for every row: its defaults "
         f"(the papers' values) at each learning rate of {list(protocol.LR_GRID)}, then, at "
         f"the best one, {protocol.EXTRA_CONFIGS} more configurations: the method's own "
-        "settings (`SETTINGS` in `bench/evidence/protocol.py`), then the common knobs "
+        "settings (`SETTINGS` in `bench/evidence/protocol.py`, each keeping the paper's "
+        "mechanism), then the common knobs, which leave a round's computation as it is, "
         f"{protocol.COMMON_KNOBS}; a row whose best rate is an end of those it tried first "
         f"tries the next rate past it ({list(protocol.LR_BELOW)} below, "
         f"{list(protocol.LR_ABOVE)} above), at most {protocol.MAX_LR_STEPS} times, each in "
         "place of one of its further configurations. A tuning run holds "
         f"{protocol.TUNING['validation-fraction']:.0%} of each client's training share out as "
         "its validation split and is scored on it: the configuration with the best mean of "
-        "its last 5 rounds of validation accuracy is reported, on seeds "
-        f"{', '.join(map(str, protocol.REPORT_SEEDS))} of the report pool (and "
-        f"{', '.join(map(str, protocol.EXTRA_SEEDS))} for a claim still undecided on those: "
-        "`bench/evidence/claims.py`). The statistics are the compare command's "
-        "(`comparison/stats.py`): personalized accuracy weighted by test examples, the mean "
-        "of a run's last 5 rounds, then mean ± std over seeds (never the best round); task "
-        "acc: the mean over clients of each client's mean per-class accuracy (our analogue "
-        "of pFedC's mean accuracy over tasks, a task a class); min client: the same last-5 "
-        "mean for the lowest client; slope: accuracy points per round over the last 10 "
-        "rounds, flagged ⚑ where a row has not converged (the upper end of its 95% interval "
-        f"over seeds above {100 * CONVERGED_SLOPE:+.2f} points a round: a margin per "
-        "10 rounds; such a row runs its report seeds again with twice the rounds, at most "
-        f"{protocol.MAX_DOUBLINGS} times); "
-        "uplink and seconds per run (a cross-device cell run at `evaluate-every = 10` leaves "
-        "most evaluations out of its seconds, and its curve has every 10th round and the "
-        "last 10: `bench/README.md`). A claim is judged on the per-seed paired difference "
-        "against its reference: held when its 95% interval lies at or above the margin; "
-        "beside it, whether the interval lies above 0 (better at all) and the paper's own "
-        "difference. Machine-readable: [`matrix/summary.json`](matrix/summary.json).\n\n",
-    ]
+        "its last 5 rounds of validation accuracy is kept. Rounds: one count a scenario, the "
+        "smallest of its base rounds and their doublings (at most "
+        f"{protocol.MAX_DOUBLINGS}) at which every row's tuning run at its chosen "
+        "configuration had converged on validation (slope over the last 10 rounds at most "
+        f"{100 * CONVERGED_SLOPE:+.2f} points a round; `bench/evidence/rounds.py`), fixed "
+        f"before any report seed ran ({rounds or 'none fixed yet'}); every row runs them on "
+        f"seeds {', '.join(map(str, protocol.REPORT_SEEDS))} of the report pool, and is also "
+        "read at the base rounds where they are fewer (the run's prefix). The statistics are "
+        "the compare command's (`comparison/stats.py`): personalized accuracy weighted by "
+        "test examples, the mean of a run's last 5 rounds, then mean ± std over seeds (never "
+        "the best round); task acc: the mean over clients of each client's mean per-class "
+        "accuracy (pFedC's figure); min client: the same last-5 mean for the lowest client; "
+        "slope: points per round over the last 10 rounds, ⚑ where the report seeds' 95% "
+        "interval still rises past the rule (informative: the rounds were fixed before); "
+        "unstable: a seed that diverged or collapsed (its last-5 mean below half its best "
+        "5-round mean), the row's mean shown without it too; uplink and seconds per run. A "
+        "claim is judged on the per-seed paired difference against its reference (the best "
+        "candidate on validation): held when its 95% interval lies at or above the margin; "
+        "primary claims (`PRIMARY` in `bench/evidence/claims.py`) also with Holm's correction "
+        "over their family, every other claim exploratory. Machine-readable: "
+        "[`matrix/summary.json`](matrix/summary.json).\n\n")
+
+
+def write_report(matrix: Matrix, command: str) -> str:
+    """report.md, summary.json and the plots, from the cells present."""
+    stats, unscored, ablated, judged_claims = judged(matrix)
+    out = matrix.out
+    parts = [header(matrix, command)]
     every_seed_diverged: dict[str, list[str]] = {}
     for (s, label), r in unscored.items():
         if r is not None:
             every_seed_diverged.setdefault(s, []).append(label)
     picked = picks(stats, every_seed_diverged)
     if picked:
-        parts += ["## What to pick\n\nPer scenario, the row with the best accuracy and the "
-                  "rows statistically tied with it: the 95% interval of their paired difference "
-                  "against it (over the seeds both ran) does not exclude 0.\n\n",
-                  pick_table(picked, stats), "\n"]
+        parts += ["## What to pick\n\nPer scenario at its rounds (every row ran them): run the "
+                  "stable row with the best mean; also: the stable rows whose paired 95% "
+                  "interval against it lies at or above -1 point; avoid: rows with an unstable "
+                  "seed, or whose interval lies below -1 point (uplink a round).\n\n",
+                  pick_lines(picked, stats), "\n"]
     parts += ["## Paper claims\n\n", "\n".join(map(claim_line, judged_claims)), "\n\n"]
     parts += ["## Deviations from the papers that could move a verdict\n\n", deviations(),
               "\n\n"]
     flagged = [f"- {s}/{label}: {flag(r)}" for s, rows in stats.items()
                for label, r in rows.items() if flag(r)]
     if flagged:
-        parts += ["## Rows that had not converged\n\nA claim on such a row rests on a figure "
-                  "that may still move.\n\n", "\n".join(flagged), "\n\n"]
+        parts += ["## Rows still rising at their rounds\n\nA claim on such a row rests on a "
+                  "figure that may still move.\n\n", "\n".join(flagged), "\n\n"]
     at_end = [f"- {s}/{label}: lr {r['chosen']['lr']} of {searched_rates(r)}"
               for s, rows in stats.items() for label, r in rows.items() if lr_at_grid_end(r)]
     if at_end:
@@ -317,9 +260,10 @@ def write_report(matrix: Matrix, command: str) -> str:
                   "move their figure.\n\n", "\n".join(at_end), "\n\n"]
     ablations = ablation_table(ablated, [a for a in protocol.ABLATIONS if matrix.redundant(a)])
     if ablations:
-        parts += ["## Ablations\n\nA row's tuned configuration with one change, on the same "
-                  "report seeds: why a claim did not hold, or the reference a claim is judged "
-                  "against (FedFac's random split of the same size).\n\n", ablations, "\n"]
+        parts += ["## Ablations\n\nA row's tuned configuration with one change (a paper "
+                  "method's mechanism off among them), at its rounds, on the exploratory seeds "
+                  "(all report seeds for FedFac's random split, a claim's reference).\n\n",
+                  ablations, "\n"]
     for scenario, rows in stats.items():
         searched_on = SCENARIOS[scenario].searched_on
         parts += [f"## {scenario}\n\n{SCENARIOS[scenario].question}; "
@@ -330,23 +274,26 @@ def write_report(matrix: Matrix, command: str) -> str:
     private = privacy_stats(matrix)
     if private:
         parts += ["## Differential privacy\n\nEach row below at its tuned configuration and "
-                  "its scenario's rounds, on the report seeds, under local DP (each client "
-                  f"clips its update to L2 norm {protocol.PRIVACY_CLIP_NORM} and adds Gaussian "
-                  "noise of that times the noise multiplier z; `docs/privacy.md`); epsilon at "
-                  "the delta shown in `matrix/summary.json`, the most any run of the level "
-                  "spent. Without DP: the row's report seeds at the same configuration and "
-                  "rounds.\n\n", privacy_tables(private), "\n"]
-    diverged = [(f"{s}/{label}", r) for s, rows in stats.items() for label, r in rows.items()
-                if diverged_report_seeds(r)] + [(f"{s}/{label}", r)
-                                                for (s, label), r in unscored.items() if r]
-    if diverged:
-        parts += ["## Rows that diverged on a report seed\n\nA report seed that diverged is "
-                  "stored as such: the row is reported at that length over the seeds that "
-                  "finished, is never picked, and a claim on it or against it is not measured "
-                  "(that seed has no pair).\n\n", "\n".join(
-                      f"- {name} ({r['config']}, {r['num_rounds']} rounds): diverged on "
-                      f"{seeds_named(diverged_report_seeds(r))}" for name, r in diverged),
-                  "\n\n"]
+                  "its scenario's base rounds, on the exploratory seeds, under local DP (each "
+                  f"client clips its update to L2 norm {protocol.PRIVACY_CLIP_NORM} and adds "
+                  "Gaussian noise of that times the noise multiplier z; `docs/privacy.md`); "
+                  "epsilon at the delta shown in `matrix/summary.json`, the most any run of the "
+                  "level spent. Without DP: the row's report seeds read at the base rounds."
+                  "\n\n", privacy_tables(private), "\n"]
+    shaky = [(f"{s}/{label}", r) for s, rows in stats.items() for label, r in rows.items()
+             if r["unstable_seeds"]] + [(f"{s}/{label}", r)
+                                        for (s, label), r in unscored.items() if r]
+    if shaky:
+        parts += ["## Rows with an unstable report seed\n\nDiverged (stored as such, no "
+                  "accuracy: a claim on the row or against it is not measured) or collapsed "
+                  "(kept in its figures and pairs): never picked.\n\n", "\n".join(
+                      f"- {name} ({r['config']}, {r['num_rounds']} rounds): "
+                      + "; ".join(f"seed {s} {why}" for s, why in r["unstable_why"].items())
+                      + (f"; mean {100 * r['accuracy'][0]:.1f} with its collapsed seeds, "
+                         + (f"{100 * r['accuracy_stable'][0]:.1f} without"
+                            if r["accuracy_stable"] else "none left without")
+                         if set(r["unstable_seeds"]) - set(r["diverged_seeds"]) else "")
+                      for name, r in shaky), "\n\n"]
     missing = [f"{s}/{label}" for (s, label), r in unscored.items() if r is None]
     if missing:
         parts.append("## Not run yet\n\n" + ", ".join(missing) + "\n\n")
@@ -357,11 +304,7 @@ def write_report(matrix: Matrix, command: str) -> str:
         plots(stats, out)
         parts.append("![accuracy against uplink](matrix/accuracy-vs-uplink.png)\n")
     (out / "matrix" / "summary.json").write_text(json.dumps(
-        {**summary(matrix, stats, judged_claims),
-         "what_to_pick": {s: {"best": p["best"], "tied": list(p["tied"]),
-                              "missing": p["missing"], "provisional": p["provisional"],
-                              "diverged": p["diverged"]}
-                          for s, p in picked.items()},
+        {**summary(matrix, stats, judged_claims, picked),
          **({"privacy": privacy_summary(private)} if private else {})}, indent=1) + "\n")
     text = "".join(parts)
     (out / "report.md").write_text(text)
