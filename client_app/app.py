@@ -126,6 +126,8 @@ def train(msg: Message, context: Context) -> Message:
         model, client.loader(train=True, server_round=server_round), client.settings,
         client.device, server_round))
     phases.lap("train")
+    # the method's own figures of its trained model (Factorized-FL's mu density)
+    own = client.method.train_metrics(model) if client.method.train_metrics else {}
     shared = client.shared_arrays(model, received, identity)
     privacy = {}
     if start is not None:
@@ -138,7 +140,7 @@ def train(msg: Message, context: Context) -> Message:
         ARRAYS: shared,
         METRICS: client.released({NUM_EXAMPLES: len(client.data().y_train),
                                   "train-loss": float(loss), **evaluation, **privacy,
-                                  **phases.metrics(),
+                                  **own, **phases.metrics(),
                                   "cpu-seconds": time.process_time() - started}),
         CLIENT: identity,
     }), reply_to=msg)

@@ -95,7 +95,7 @@ METRIC_RANGES: dict[str, tuple[float, float]] = {
     "accuracy": (0.0, 1.0), "loss": (0.0, math.inf), "train-loss": (0.0, math.inf),
     "cpu-seconds": (0.0, math.inf), EVAL_ACCURACY: (0.0, 1.0), EVAL_LOSS: (0.0, math.inf),
     EVAL_CPU: (0.0, math.inf), TASK_ACCURACY: (0.0, 1.0), EVAL_TASK_ACCURACY: (0.0, 1.0),
-    DP_CLIPPED: (0.0, 1.0), EXACT_EVALUATION: (1.0, 1.0)}
+    DP_CLIPPED: (0.0, 1.0), EXACT_EVALUATION: (1.0, 1.0), "mu-density": (0.0, 1.0)}
 """Allowed ranges of the metrics the server reads; any other metric must be a finite number."""
 
 

@@ -149,3 +149,17 @@ def matching_key(model: nn.Module, input_shape: tuple[int, ...]) -> str:
 
 def l1_of_mu(model: nn.Module) -> Tensor:
     return sum(p.abs().sum() for name, p in model.named_parameters() if name.endswith(".mu"))
+
+
+# the train metric a client reports it under, and the round's figure in results.json
+MU_DENSITY = "mu-density"
+# |mu| at most this counts as zero: SGD with an L1 term reaches no exact zero
+MU_ZERO = 1e-3
+
+
+def mu_density(model: nn.Module) -> float:
+    """The share of the elements of every ``mu`` whose magnitude exceeds ``MU_ZERO``: how
+    dense the personal part is (the paper's ``mu`` is meant to be a sparse bias)."""
+    mus = [p.detach() for name, p in model.named_parameters() if name.endswith(".mu")]
+    total = sum(m.numel() for m in mus)
+    return float(sum(int((m.abs() > MU_ZERO).sum()) for m in mus) / total) if total else 0.0

@@ -91,6 +91,9 @@ class Method(Generic[MethodSettingsT]):
     actions: dict[str, Callable[..., Any]] = field(default_factory=dict)
     fine_tune: Callable[[LocalTraining[MethodSettingsT]], float] | None = None
     adapt: Callable[[Arrival[MethodSettingsT]], None] | None = None
+    # a method's own metrics of its model after local training, sent with the train reply
+    # (Factorized-FL's mu density); withheld under dp.mode = "local" like every other figure
+    train_metrics: Callable[[nn.Module], dict[str, float]] | None = None
     # False: the method shares everything by design (FedAvg, FedProx, FedAvg-FT); a
     # personalized method with nothing personal on the run's model is warned about at start
     personalized: bool = True

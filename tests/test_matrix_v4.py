@@ -188,8 +188,8 @@ def test_a_factorized_fl_cell_carries_mus_density_where_the_run_recorded_it(tmp_
         if final:
             assert row["mu_density"] == 0.25 and "mu_density_missing" not in row
         else:
-            assert row["mu_density"] is None and "TODO(mu_density)" in row["mu_density_missing"]
-            assert "no mu density recorded (TODO(mu_density)" in capsys.readouterr().err
+            assert row["mu_density"] is None and "before the app" in row["mu_density_missing"]
+            assert "no mu density recorded (its run's results.json" in capsys.readouterr().err
 
 
 def test_v4_is_written_apart_and_write_only_without_v4_cells_writes_nothing(tmp_path,

@@ -111,8 +111,8 @@ class Matrix:
         if fresh and entry is not None and item.method == "factorized-fl":
             density = recorded_mu_density(read_results(out))
             if density is None:
-                print(f"{path.name}: no mu density recorded (TODO(mu_density), "
-                      "bench/evidence/mechanism.py)", file=sys.stderr)
+                print(f"{path.name}: no mu density recorded (its run's results.json has no "
+                      "mu_density)", file=sys.stderr)
             else:
                 entry[MU_DENSITY] = density
                 path.write_text(json.dumps(entry, indent=1))

@@ -72,17 +72,12 @@ def mechanism_off(method: str, resolved: Mapping[str, Any]) -> list[str]:
 # zero: what its sparsity claim is about. A cell carries it as MU_DENSITY, read from the run's
 # results.json as it is stored (``recorded_mu_density``).
 MU_DENSITY = "mu_density"
-# TODO(mu_density): nothing records it yet. mu is personal: it never leaves a client, so the
-# server cannot measure it, and the client's reply carries no figure of it. What it needs, in
-# files outside the evidence matrix: Factorized-FL's client (strategies/factorized_fl/client.py)
-# replies with a train metric "mu-density", the share of its mu's elements whose magnitude
-# exceeds MU_ZERO after its local training (SGD with an L1 term reaches no exact zero), and
-# its rule reports the example-weighted mean of the round's as the round's "mu_density"
-# (``Strategy.report``, as it reports "similarity"). Until then a Factorized-FL cell has no
-# MU_DENSITY, its row's ``mu_density`` is null and ``mu_density_missing`` says why.
-MU_ZERO = 1e-3
-MU_DENSITY_MISSING = ("not recorded: the app does not report mu's density yet (TODO(mu_density) "
-                      "in bench/evidence/mechanism.py)")
+# The app records it: Factorized-FL's client replies with the train metric "mu-density" (the
+# share of its mu's elements above models.factorized_fl.MU_ZERO after local training) and its
+# rule reports the example-weighted mean of the round's as the round's "mu_density". A cell
+# from before that (v3's) has none: its row's ``mu_density`` is null and
+# ``mu_density_missing`` says why.
+MU_DENSITY_MISSING = "not recorded: its cells ran before the app reported mu's density"
 
 
 def recorded_mu_density(results: Mapping[str, Any]) -> float | None:

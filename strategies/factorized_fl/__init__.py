@@ -5,7 +5,7 @@ Home: ``spec.py`` (settings; what travels: ``u`` and the matching vector), ``ser
 L1 penalty on ``mu``), ``models/factorized_fl.py`` (the factorization).
 """
 
-from models.factorized_fl import factorize
+from models.factorized_fl import MU_DENSITY, factorize, mu_density
 from strategies.factorized_fl.client import train_factorized_fl
 from strategies.factorized_fl.server import FactorizedFLRule
 from strategies.factorized_fl.spec import FactorizedFLSettings, FactorsShared
@@ -13,6 +13,7 @@ from strategies.method import Method
 
 METHOD = Method("factorized-fl", wire=FactorsShared, rule=FactorizedFLRule,
                 local_train=train_factorized_fl, settings=FactorizedFLSettings,
+                train_metrics=lambda model: {MU_DENSITY: mu_density(model)},
                 transform=lambda model, settings: factorize(
                     model, settings.method_settings.mu_init),
                 dp_refused={"central": "each client's own weighted average is built from "

@@ -24,6 +24,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 
 from common.protocol import ClientReply, client_order
+from models.factorized_fl import MU_DENSITY
 from strategies.engine import MethodRule, RuleContext
 from strategies.factorized_fl.spec import FactorizedFLSettings, FactorsShared
 
@@ -106,6 +107,11 @@ class FactorizedFLRule(MethodRule[FactorizedFLSettings]):
             report = {"num_clients": len(clients), "mean": round(float(off.mean()), 4),
                       "neighbours_mean": float((weights > 0).sum(axis=1).mean())}
         self.run.report(server_round, "similarity", report)
+        densities = [(float(r.metrics[MU_DENSITY]), r.num_examples) for r in replies
+                     if MU_DENSITY in r.metrics]  # withheld under local DP
+        if densities:
+            self.run.report(server_round, "mu_density", sum(d * n for d, n in densities)
+                            / sum(n for _, n in densities))
         return self.run.aggregate(replies, list(self.wire.shared_spec), arrays)  # new clients
 
     def _match(self) -> tuple[list[str], np.ndarray, np.ndarray]:
