@@ -46,6 +46,10 @@ COMMON: dict[str, Any] = {"model": "lenet5", "num-server-rounds": ROUNDS, "local
                           "batch-size": 32, "momentum": 0.9, "test-fraction": 0.5,
                           "plot": False}
 BASELINES = ("fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn", "fedavg-ft")
+# Rows beside the baselines in every scenario, not among the baselines a claim's "best
+# baseline" is taken from (the claims were written down before they joined): Ditto and FedALA,
+# the personalized methods of the client hook where a model arrives (docs/methods/)
+OTHER_ROWS = ("ditto", "fedala")
 # A tuning run sees a client share of a report run's size, half of it trained on, half its
 # validation split (in place of the test split, which a validation run never evaluates: one
 # example is kept back for it), from the tuning pool.
@@ -88,6 +92,13 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     # personal, the authors' CIFAR setting, estimates no split: an ablation now)
     "fedfac": [{"fedfac.tau-quantile": 0.75}, {"fedfac.layers": "-3,-2"},
                {"fedfac.tau-quantile": 0.5}, {"fedfac.tau-quantile": 0.95}],
+    # Ditto's proximal weight over the range its paper searches, and its split of the 5 local
+    # epochs (the personal model's share: the round's computation stays 5 epochs)
+    "ditto": [{"ditto.lambda": 0.01}, {"ditto.lambda": 1.0}, {"ditto.personal-epochs": 2},
+              {"ditto.lambda": 0.001}],
+    # FedALA: how many tensors are mixed and on what share of the data the weights are learned
+    "fedala": [{"fedala.layers": 4}, {"fedala.layers": 6}, {"fedala.data-fraction": 0.5},
+               {"fedala.data-fraction": 0.2}],
     "pfedc": [{"pfedc.mgda": False}, {"pfedc.weighting": "counts"}, {"pfedc.tasks": 5},
               {"pfedc.mgda": False, "pfedc.weighting": "counts"}],
     # the row starts mu at zeros, as the paper says (FACTORIZED_FL); the authors' code's Xavier
@@ -145,25 +156,25 @@ PAPER_METHODS = [FEDDECOMP, FEDFAC_STATIC, FEDFAC_DYNAMIC, entry("pfedc"), FACTO
 SCENARIOS: dict[str, Scenario] = {
     "dirichlet-0.1": Scenario(
         {"partitioner": "dirichlet", "dirichlet-alpha": 0.1},
-        [*map(entry, BASELINES), *PAPER_METHODS],
+        [*map(entry, (*BASELINES, *OTHER_ROWS)), *PAPER_METHODS],
         question="label skew, 20 clients of 250 images (FedDecomp's, FedFac's setting)"),
     "pathological-2": Scenario(
         {"partitioner": "pathological", "classes-per-client": 2},
-        [*map(entry, BASELINES), entry("pfedc")],
+        [*map(entry, (*BASELINES, *OTHER_ROWS)), entry("pfedc")],
         question="two classes a client (pFedC's setting)"),
     "permuted-labels": Scenario(
         {"partitioner": "iid", "permute-labels": True},
-        [*map(entry, BASELINES), FACTORIZED_FL],
+        [*map(entry, (*BASELINES, *OTHER_ROWS)), FACTORIZED_FL],
         question="each client its own label permutation (Factorized-FL's setting)"),
     "feature-shift": Scenario(
         {"partitioner": "iid", "feature-shift": "rotate", "feature-shift-groups": 4},
-        [*map(entry, BASELINES), FACTORIZED_FL],
+        [*map(entry, (*BASELINES, *OTHER_ROWS)), FACTORIZED_FL],
         question="four client groups whose images are rotated by 0, 90, 180, 270 degrees, "
                  "labels IID (multi-domain, as Factorized-FL's and FedBN's)"),
     "feature-shift-skew": Scenario(
         {"partitioner": "dirichlet", "dirichlet-alpha": 0.5, "feature-shift": "rotate",
          "feature-shift-groups": 4},
-        [*map(entry, BASELINES), FACTORIZED_FL],
+        [*map(entry, (*BASELINES, *OTHER_ROWS)), FACTORIZED_FL],
         question="the same rotated groups with label skew (Dirichlet 0.5)",
         searched_on="feature-shift"),
     "cross-device": Scenario(
@@ -171,7 +182,7 @@ SCENARIOS: dict[str, Scenario] = {
         # the last 10 give the same figures (docs/results.md), in a fraction of the time
         {"partitioner": "dirichlet", "dirichlet-alpha": 0.3, "fraction-train": 0.1,
          "num-server-rounds": 160, "evaluate-every": 10},
-        [*map(entry, BASELINES), *PAPER_METHODS], num_clients=100,
+        [*map(entry, (*BASELINES, *OTHER_ROWS)), *PAPER_METHODS], num_clients=100,
         # seed 0 draws no partition of the tuning pool giving 100 clients 10 images each at
         # Dirichlet 0.3; 1 does (that pool shares no image with report seed 1's)
         searched_on="dirichlet-0.1", tuning_seed=1,
