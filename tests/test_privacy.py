@@ -311,6 +311,20 @@ def test_the_default_delta_is_at_most_1e_5_and_a_tenth_of_one_over_the_clients()
         load_settings(app_config(**{"dp.mode": "central", "dp.delta": 0.1}))
 
 
+def test_a_delta_not_far_below_one_over_the_clients_is_warned_about_once_at_the_preflight(
+        caplog):
+    """dp.delta = 1e-3 is a tenth of one over 100 clients (no warning), but one over 1,000:
+    the chance the guarantee fails outright is then a client's own."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="flwr")
+    population(PrivacyLedger(settings(**{"dp.delta": 1e-3})), 100)
+    assert "[privacy] dp.delta" not in caplog.text
+    population(PrivacyLedger(settings(**{"dp.delta": 1e-3})), 1000)
+    assert caplog.text.count("[privacy] dp.delta=0.001 is above 1 / (10 N) = 0.0001 for these "
+                             "1000 clients") == 1
+
+
 def test_a_mistake_that_shows_only_with_the_clients_stops_before_round_one():
     """Known at the preflight, not in a later round: a clipped-count noise too small for the
     noise multiplier."""

@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from functools import lru_cache
+from logging import WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
+from flwr.common.logger import log
 from flwr.serverapp import (
     GaussianPrivacyEvent,
     NeighboringRelation,
@@ -96,7 +98,11 @@ class PrivacyLedger:
             return
         reported = [int(info.get(NUM_PARTITIONS, 0)) for info in client_info.values()]
         self.population = max([len(client_info), *reported])
-        self.delta()
+        if self.delta() > 1.0 / (10 * self.population):  # a delta the run config set
+            log(WARNING, "[privacy] dp.delta=%g is above 1 / (10 N) = %.2g for these %d "
+                "clients: the chance that the guarantee fails outright is not small against "
+                "one client's (docs/privacy.md#reading-epsilon)", self.delta(),
+                1.0 / (10 * self.population), self.population)
         self._noise_multipliers()
 
     def expected_drawn(self) -> int:
