@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,25 @@ CONFIG = {"method": "fedper", "num-server-rounds": 2, "local-epochs": 1, "min-no
 # restarts its SuperLink, and SQLite costs it three times the CPU. The loopback recipe, run
 # as written at the end, keeps its database file, as compose does.
 
+
+
+def port_block(count: int) -> int:
+    """A port whose ``count - 1`` successors are free too: the recipe gives its sites the
+    ports after its SuperLink's, and another worker's server may hold one of them."""
+    for _ in range(100):
+        port = free_port()
+        if all(_bindable(port + i) for i in range(1, count)):
+            return port
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 def _check(run, out: Path, tmp: Path, deployment: LocalDeployment) -> None:
     """Every site that speaks for its own client id trained and evaluated every round."""
@@ -230,7 +250,7 @@ def test_the_loopback_recipe_runs_as_written(tmp_path, forkserver):
             process = subprocess.Popen(
                 ["bash", "-c", loopback_recipe()], cwd=app_dir, text=True, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **warm, "PORT": str(free_port()), "SITES": "2",
+                env={**os.environ, **warm, "PORT": str(port_block(3)), "SITES": "2",
                      "PATH": os.pathsep.join([warm["PATH"], str(Path(sys.executable).parent),
                                               os.environ["PATH"]]),
                      "FLWR_DISABLE_UPDATE_CHECK": "1", "TMPDIR": str(tmpdir)})

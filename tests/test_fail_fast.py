@@ -369,6 +369,6 @@ def test_a_plain_flwr_run_shows_the_apps_one_line_before_flowers_traceback(feder
     errors = [line for line in output.splitlines() if "ERROR" in line]
     assert errors[0].endswith("Invalid run config: method: unknown value 'fedfoo'; allowed: "
                               "fedavg, fedprox, local, fedper, fedrep, fedbn, fedavg-ft, "
-                              "feddecomp, pfedc, factorized-fl, fedfac"), errors
+                              "ditto, fedala, feddecomp, pfedc, factorized-fl, fedfac"), errors
     assert output.index("Invalid run config:") < output.index("Traceback")
     assert "Exit Code: 700" in output

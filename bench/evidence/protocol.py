@@ -26,12 +26,10 @@ REPORT_POOL_SEED, TUNING_POOL_SEED = 0, 1   # the tuning pool is drawn from the 
 NUM_CLIENTS = 20
 PROTOCOL_VERSION = 4
 TUNING_SEED = 0
-# Every row, so every claim, on ten report seeds from the start: no decision about seeds reads
-# a report seed, and a claim is judged once at its level (v3's seeds 6-10 for an interval across
-# its margin raised a false "held" from 2.5% to 4.3%). The first ten seeds from 1 whose partition
-# of the report pool every scenario can draw (the labels alone decide: 3 and 9-12 give no draw
-# of 100 clients of 10 images at Dirichlet 0.3; tests/test_matrix_v4.py). Exploratory cells
-# (ablations that are no claim's reference, privacy) run on the first EXPLORATORY_SEEDS.
+# Ten report seeds from the start, for every row: no decision about seeds reads a report seed,
+# each claim is judged once (v3's second look raised a false "held" from 2.5% to 4.3%). The first
+# ten from 1 every scenario can partition (3, 9-12 cannot give cross-device's 100 clients 10
+# images: tests/test_matrix_v4.py). Exploratory cells run on the first EXPLORATORY_SEEDS.
 REPORT_SEEDS = (1, 2, 4, 5, 6, 7, 8, 13, 14, 15)
 EXPLORATORY_SEEDS = 5
 ROUNDS = 40            # a scenario's base rounds, unless it sets its own
@@ -46,9 +44,7 @@ COMMON: dict[str, Any] = {"model": "lenet5", "num-server-rounds": ROUNDS, "local
                           "batch-size": 32, "momentum": 0.9, "test-fraction": 0.5,
                           "plot": False}
 BASELINES = ("fedavg", "fedprox", "local", "fedper", "fedrep", "fedbn", "fedavg-ft")
-# Rows beside the baselines in every scenario, not among the baselines a claim's "best
-# baseline" is taken from (the claims were written down before they joined): Ditto and FedALA,
-# the personalized methods of the client hook where a model arrives (docs/methods/)
+# Rows beside the baselines, not among a claim's "best baseline" (the claims predate them)
 OTHER_ROWS = ("ditto", "fedala")
 # A tuning run sees a client share of a report run's size, half of it trained on, half its
 # validation split (in place of the test split, which a validation run never evaluates: one
@@ -66,13 +62,10 @@ LR_BELOW = (0.0003, 0.0001)
 LR_ABOVE = (1.0, 3.0)
 MAX_LR_STEPS = 2
 assert min(len(LR_BELOW), len(LR_ABOVE), EXTRA_CONFIGS) >= MAX_LR_STEPS  # a step per slot
-# What a row without (enough) settings of its own searches instead: knobs every method has that
-# change what one SGD step does, never how many steps a round takes, so that every row of a
-# scenario computes as much a round (protocol v4; v3's 2 and 10 local epochs let the baselines
-# choose twice the paper methods' computation). Weight decay over two decades; momentum 0.5 in
-# place of 0.9 (a shorter memory: an effective step of 2 lr instead of 10 lr, less drift from
-# the shared model a round, what v3's 2 local epochs offered, at the same computation). Not the
-# batch size: a smaller batch takes more steps an epoch.
+# What a row without (enough) settings of its own searches instead: knobs that change what one
+# SGD step does, never how many a round takes (v4: every row computes as much a round; v3's 2 and
+# 10 local epochs did not). Momentum 0.5 for 0.9: an effective step of 2 lr, not 10 lr, less drift
+# a round, what v3's 2 local epochs offered. Not the batch size: a smaller one takes more steps.
 COMMON_KNOBS: list[dict[str, Any]] = [{"weight-decay": 1e-4}, {"weight-decay": 1e-3},
                                       {"momentum": 0.5}, {"weight-decay": 1e-2}]
 
@@ -92,13 +85,12 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     # personal, the authors' CIFAR setting, estimates no split: an ablation now)
     "fedfac": [{"fedfac.tau-quantile": 0.75}, {"fedfac.layers": "-3,-2"},
                {"fedfac.tau-quantile": 0.5}, {"fedfac.tau-quantile": 0.95}],
-    # Ditto's proximal weight over the range its paper searches, and its split of the 5 local
-    # epochs (the personal model's share: the round's computation stays 5 epochs)
+    # Ditto's lambda and the personal model's share of the 5 epochs; FedALA's mixed tensors
+    # and the share of the data its weights are learned on
     "ditto": [{"ditto.lambda": 0.01}, {"ditto.lambda": 1.0}, {"ditto.personal-epochs": 2},
               {"ditto.lambda": 0.001}],
-    # FedALA: how many tensors are mixed and on what share of the data the weights are learned
-    "fedala": [{"fedala.layers": 4}, {"fedala.layers": 6}, {"fedala.data-fraction": 0.5},
-               {"fedala.data-fraction": 0.2}],
+    "fedala": [{"fedala.layers": n} for n in (4, 6)] + [{"fedala.data-fraction": f}
+                                                         for f in (0.5, 0.2)],
     "pfedc": [{"pfedc.mgda": False}, {"pfedc.weighting": "counts"}, {"pfedc.tasks": 5},
               {"pfedc.mgda": False, "pfedc.weighting": "counts"}],
     # the row starts mu at zeros, as the paper says (FACTORIZED_FL); the authors' code's Xavier
