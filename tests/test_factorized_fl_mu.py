@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
-from common.protocol import ClientReply
 from strategies.engine import RoundEngine
 from strategies.factorized_fl.server import FactorizedFLRule
-from strategies.factorized_fl.spec import FactorsShared
-from strategies.registry import build_model, initial_state, load_settings, wire_spec
+from strategies.registry import initial_state, load_settings, wire_spec
 from tests.conftest import app_config
-
-
-def _upload(settings, client_id: str, rng: np.random.Generator, examples: int) -> ClientReply:
-    spec = FactorsShared(build_model(settings), settings).uplink_spec({}, None)
-    arrays = ArrayRecord({k: Array(rng.normal(size=shape).astype(dtype))
-                          for k, (shape, dtype) in spec.items()})
-    return ClientReply(int(client_id), client_id, arrays,
-                       MetricRecord({"num-examples": examples}), ConfigRecord({}))
+from tests.test_factorized_fl import _upload
 
 
 def test_a_factorized_fl_client_reports_mu_density_and_the_rule_its_example_weighted_mean():
