@@ -28,6 +28,7 @@ from typing import Any
 
 from bench.report import RESULTS, write_report
 from comparison.runs import RunStore
+from comparison.table import Column, in_points, markdown_table
 from launch.app_project import app_defaults
 from launch.compare import parse_row
 from launch.federation import warm_federation
@@ -110,16 +111,22 @@ def summarize(method: str, results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    with_notes = any(r.get("notes") for r in rows)
-    header = ("| method | acc weighted | acc mean | acc std | acc min | MB up/round "
-              "| MB down/round | s/round |" + (" notes |" if with_notes else "") +
-              "\n|---|---|---|---|---|---|---|---|" + ("---|" if with_notes else "") + "\n")
-    return header + "".join(
-        f"| {r['method']} | {r['accuracy_weighted']:.4f} | {r['accuracy_mean']:.4f} | "
-        f"{r['accuracy_std']:.4f} | {r['accuracy_min']:.4f} | {r['mb_up_per_round']:.4f} | "
-        f"{r['mb_down_per_round']:.4f} | {r['seconds_per_round']:.2f} |"
-        + (f" {r.get('notes', '')} |" if with_notes else "") + "\n" for r in rows)
+# one run a row (one seed): its final accuracies in points, over clients
+COLUMNS = [Column("method", lambda row: row["method"]),
+           Column("accuracy weighted (points)", lambda row: in_points(row["accuracy_weighted"])),
+           Column("accuracy mean (points)", lambda row: in_points(row["accuracy_mean"])),
+           Column("accuracy std over clients (points)",
+                  lambda row: in_points(row["accuracy_std"])),
+           Column("min client (points)", lambda row: in_points(row["accuracy_min"])),
+           Column("MB up/round", lambda row: f"{row['mb_up_per_round']:.4f}"),
+           Column("MB down/round", lambda row: f"{row['mb_down_per_round']:.4f}"),
+           Column("s/round", lambda row: f"{row['seconds_per_round']:.2f}")]
+NOTES = Column("notes", lambda row: row.get("notes", ""))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The runs' table (``comparison.table``'s writer), a notes column where a row has one."""
+    return markdown_table(COLUMNS + [NOTES] * any(r.get("notes") for r in rows), rows)
 
 
 def parse_entry(entry: str) -> tuple[str, str, dict[str, Any]]:
@@ -163,7 +170,7 @@ def main() -> None:
     rows = run_methods(args.methods.split(","), parse_overrides(args.overrides),
                        args.supernodes)
     command = "python bench/run_methods.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_report(args.name, args.name, command, markdown_table(rows))
+    write_report(args.name, args.name, command, table(rows))
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"command": command, "rows": rows},
                                                           indent=2))
 

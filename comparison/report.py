@@ -20,6 +20,16 @@ from comparison.stats import (
     run_figures,
     run_window,
 )
+from comparison.table import (
+    MIN_CLIENT,
+    SECONDS,
+    Column,
+    Row,
+    accuracy_column,
+    markdown_table,
+    slope_column,
+    uplink_column,
+)
 
 FEW_SEEDS = 3  # below this, a 95% interval over seeds is too wide to tell anything apart
 # compare reads a run on its last rounds, none in the first quarter of its rounds
@@ -96,7 +106,6 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
     rounds it was computed on, a warning where too few seeds make the intervals
     uninformative."""
     protocol = summary["protocol"]
-    reference = protocol["reference"]
     margin = 100 * protocol["margin"]
     budget = protocol["budgets"]
     seeds = protocol["seeds"]
@@ -133,28 +142,9 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
           if len(seeds) < FEW_SEEDS else []),
         *([f"**Unequal tuning budgets** ({', '.join(f'{k} {n}' for k, n in budget.items())} "
            "configurations): the rows with more are favoured; give every row the same "
-           "number for a fair comparison.\n"] if len(set(budget.values())) > 1 else []),
-        "| row | configuration (of searched) | seeds | accuracy (points) | min client "
-        f"(points) | slope (points/round) | uplink MB | seconds | vs {reference} (points, "
-        "95% interval) | not worse | better |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, row in summary["rows"].items():
-        versus = row.get("versus_reference")
-        verdicts = row.get("verdicts", {})
-        if label == reference:
-            diff = "reference"
-        elif versus is None:
-            diff = "no common seed" if reference in summary["rows"] else "-"
-        else:
-            diff = points(versus)
-        lines.append(
-            f"| {label} | {config_tag(row['chosen'])} ({budget.get(label, 1)}) | "
-            f"{len(row['seeds'])} | "
-            f"{100 * row['accuracy'][0]:.1f} ± {100 * row['accuracy'][1]:.1f} | "
-            f"{100 * row['accuracy_min'][0]:.1f} | {100 * row['slope'][0]:+.2f}"
-            f"{_convergence(row)} | "
-            f"{row['mb_up'][0]:.2f} | {row['seconds'][0]:.0f} | {diff} | "
-            f"{verdicts.get('verdict', '-')} | {verdicts.get('superiority', '-')} |")
+           "number for a fair comparison.\n"] if len(set(budget.values())) > 1 else [])]
+    lines.append(markdown_table(_columns(summary), ({"label": label, **row} for label, row
+                                                    in summary["rows"].items())).rstrip("\n"))
     if summary["failed"]:
         lines += ["\n## Failed runs\n", *(f"- {f}" for f in summary["failed"])]
     lines += ["\n![accuracy per round](accuracy.png)\n",
@@ -162,7 +152,29 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _convergence(row: dict[str, Any]) -> str:
+def _columns(summary: dict[str, Any]) -> list[Column]:
+    """The report's table: the shared statistics, then each row against the reference."""
+    protocol = summary["protocol"]
+    reference, budget = protocol["reference"], protocol["budgets"]
+
+    def versus(row: Row) -> str:
+        if row["label"] == reference:
+            return "reference"
+        if row.get("versus_reference") is None:
+            return "no common seed" if reference in summary["rows"] else "-"
+        return points(row["versus_reference"])
+
+    return [Column("row", lambda row: row["label"]),
+            Column("configuration (of searched)",
+                   lambda row: f"{config_tag(row['chosen'])} ({budget.get(row['label'], 1)})"),
+            Column("seeds", lambda row: str(len(row["seeds"]))),
+            accuracy_column(), MIN_CLIENT, slope_column(_convergence), uplink_column(), SECONDS,
+            Column(f"vs {reference} (points, 95% interval)", versus),
+            Column("not worse", lambda row: row.get("verdicts", {}).get("verdict", "-")),
+            Column("better", lambda row: row.get("verdicts", {}).get("superiority", "-"))]
+
+
+def _convergence(row: Row) -> str:
     """The slope cell's mark where the row's curves may still be rising."""
     if row["converged"]:
         return ""

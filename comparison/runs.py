@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from common.protocol import NOT_FINITE
 from common.record import lost_to_non_finite
 from comparison.stats import LAST_ROUNDS, comparable_config, spent_privacy, summarize_run
+from comparison.table import in_points
 
 
 class RunOutcome(Protocol):
@@ -58,8 +59,9 @@ Describe = Callable[[Mapping[str, Any]], str]
 
 
 def final_figures(entry: Mapping[str, Any]) -> str:
-    """A run's final accuracies, as fractions (the evidence matrix's line)."""
-    return f"acc {entry['accuracy_weighted']:.4f} min {entry['accuracy_min']:.4f}"
+    """A run's final accuracies, in points as every table (the evidence matrix's line)."""
+    return (f"accuracy {in_points(entry['accuracy_weighted'])}, min client "
+            f"{in_points(entry['accuracy_min'])} (points)")
 
 
 class RunStore:

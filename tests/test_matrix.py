@@ -16,7 +16,8 @@ import torch
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import common_rounds, thinned, write_report
+from bench.evidence.report import common_rounds, write_report
+from bench.evidence.summary import thinned
 from comparison.stats import last_rounds_mean
 from tests.conftest import ROOT
 
@@ -164,7 +165,7 @@ def test_matrix_runs_missing_cells_once_and_reports_from_them(federation, tmp_pa
     fedavg = [last_rounds_mean(json.loads(c.read_text())["accuracy_per_round"]) for c in cells
               if c.parent.name == "fedavg"]
     row = next(line for line in report.splitlines() if line.startswith("| fedavg |"))
-    assert (f"{statistics.mean(fedavg):.4f} ± {statistics.stdev(fedavg):.4f}") in row
+    assert (f"{100 * statistics.mean(fedavg):.1f} ± {100 * statistics.stdev(fedavg):.1f}") in row
     assert "not tuned yet" in row and "| 2 |" in row
     assert "FedDecomp >= FedAvg + 5 points on Dirichlet 0.1: **not measured**" in report
     summary = json.loads((tmp_path / "matrix" / "summary.json").read_text())

@@ -15,8 +15,9 @@ import torch
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix, run, select
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import ablation_table, write_report
+from bench.evidence.report import write_report
 from bench.evidence.stats import ablation_stats, row_stats
+from bench.evidence.tables import ablation_table
 from common.protocol import NOT_FINITE
 from launch.federation import FlowerRun
 from tests.conftest import ROOT
@@ -215,7 +216,7 @@ def test_a_row_that_diverged_on_a_report_seed_is_reported_naming_it(tmp_path, mo
     assert row["unstable_seeds"] == [last] and row["unstable_why"] == {last: "diverged"}
     report = write_report(offline, "test")
     # its 2 rounds read on round 2 (round 1 is the first quarter): 0.5 + 0.01
-    assert f"| {len(finished)}, diverged on seed {last} | 0.5100 ± 0.0000 |" in report
+    assert f"| {len(finished)}, diverged on seed {last} | 51.0 ± 0.0 |" in report
     assert f"- {SCENARIO}/fedavg (lr={tuned['lr']}, 2 rounds): seed {last} diverged\n" in report
     summary = json.loads((tmp_path / "matrix" / "summary.json").read_text())
     assert summary["rows"][f"{SCENARIO}/fedavg"]["diverged_seeds"] == [last]
@@ -252,7 +253,7 @@ def test_an_ablation_that_diverged_on_a_seed_is_judged_on_the_others_and_names_i
     assert (result["seeds"], result["diverged_seeds"]) == (len(finished), [last])
     assert sorted(result["per_seed"]) == finished
     line = ablation_table({("k",): result}, []).splitlines()[-1]
-    assert f"| {len(finished)}, diverged on seed {last} | 0.6000 ± 0.0000 |" in line
+    assert f"| {len(finished)}, diverged on seed {last} | 60.0 ± 0.0 |" in line
     assert line.endswith("| +10.0 [+10.0, +10.0] |")  # over the seeds that finished
 
     for seed in finished:  # every seed diverged
@@ -262,7 +263,7 @@ def test_an_ablation_that_diverged_on_a_seed_is_judged_on_the_others_and_names_i
     assert (result["seeds"], result["accuracy"]) == (0, None)
     line = ablation_table({("k",): result}, []).splitlines()[-1]
     every = ", ".join(map(str, protocol.exploratory_seeds()))
-    assert f"| 0, diverged on seeds {every} | diverged on every seed | | 0.5000 | no common " \
+    assert f"| 0, diverged on seeds {every} | diverged on every seed |  | 50.0 | no common " \
            "seed |" in line
 
 

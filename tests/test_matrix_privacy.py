@@ -77,7 +77,7 @@ def test_privacy_cells_are_compared_with_the_references_at_the_same_noise(tmp_pa
     assert "| fedper | 0.1 | +15.0 [" in tables
     # against itself without DP (0.9 on both seeds): -20 and -20 points, no spread
     assert "| fedper | 0.1 | +15.0 [-48.5, +78.5] | - | -20.0 [-20.0, -20.0] |" in tables
-    assert "| feddecomp | 0.9000 ± 0.0000 | 0.6000 ± 0.0000, 1 diverged |" in tables
+    assert "| feddecomp | 90.0 ± 0.0 | 60.0 ± 0.0, 1 diverged |" in tables
     # its seed 2 diverged: compared on seed 1 alone, and said so
     assert ("| feddecomp | 0.1 | +10.0 (seeds 1 only) | -10.0 (seeds 1 only) | -30.0 (seeds 1 "
             "only) |") in tables

@@ -9,8 +9,9 @@ import json
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.report import lr_at_grid_end, write_report
+from bench.evidence.report import write_report
 from bench.evidence.stats import row_stats
+from bench.evidence.summary import lr_at_grid_end
 from tests.test_matrix import COMMON_DIGITS, _store
 
 

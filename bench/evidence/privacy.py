@@ -19,6 +19,7 @@ from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from comparison.plots import figure, row_style, save
 from comparison.stats import accuracy_difference, by_seed_finished, method_stats, points
+from comparison.table import Column, markdown_table, mean_std_points
 
 Level = dict[str, Any]
 
@@ -72,9 +73,8 @@ def all_diverged(level: Level) -> bool:
 def _figure(level: Level) -> str:
     if "accuracy" not in level:
         return "diverged" if all_diverged(level) else "-"
-    mean, std = level["accuracy"]
     diverged = f", {len(level['diverged'])} diverged" if level.get("diverged") else ""
-    return f"{mean:.4f} ± {std:.4f}{diverged}"
+    return mean_std_points(level["accuracy"]) + diverged
 
 
 def _difference(difference: dict[str, Any] | None) -> str:
@@ -112,27 +112,31 @@ def privacy_tables(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
     for scenario, rows in stats.items():
         spent = level_epsilons(rows)
         levels = list(spent)
-        header = " | ".join(f"z = {z} (ε ≤ {epsilon:.3g})" if epsilon is not None
-                            else f"z = {z} (ε not recorded)" for z, epsilon in spent.items())
-        lines = [f"### {scenario}\n", f"| row | no DP | {header} |",
-                 "|---|---|" + "---|" * len(levels)]
-        for label, row in rows.items():
-            clean = _figure(row["none"]) if "none" in row else "-"
-            lines.append(f"| {label} | {clean} | " + " | ".join(
-                _figure(row["levels"].get(z, {})) for z in levels) + " |")
-        lines += ["", "Paired differences in accuracy points [95% interval], at the same "
-                  "noise multiplier, over the seeds both sides have:", "",
-                  "| row | z | vs " + " | vs ".join(protocol.PRIVACY_REFERENCES)
-                  + " | vs itself without DP |", "|---|---|---|---|---|"]
-        for label, row in rows.items():
-            for z in levels:
-                if z not in row["levels"]:
-                    continue
-                found = differences(rows, label, z)
-                lines.append(f"| {label} | {z} | " + " | ".join(
-                    _difference(found[name]) if found.get(name) is not None
-                    else _undefined(rows, label, name, z)
-                    for name in (*protocol.PRIVACY_REFERENCES, "no DP")) + " |")
+        named = [{"label": label, **row} for label, row in rows.items()]
+        figures = [Column("row", lambda row: row["label"]),
+                   Column("no DP", lambda row: _figure(row["none"]) if "none" in row else "-")]
+        figures += [Column(f"z = {z} (ε ≤ {epsilon:.3g})" if epsilon is not None
+                           else f"z = {z} (ε not recorded)",
+                           lambda row, z=z: _figure(row["levels"].get(z, {})))
+                    for z, epsilon in spent.items()]
+        references = (*protocol.PRIVACY_REFERENCES, "no DP")
+        paired = []  # a row at a noise multiplier: each difference's cell
+        for row in named:
+            for z in (z for z in levels if z in row["levels"]):
+                found = differences(rows, row["label"], z)
+                paired.append({"label": row["label"], "z": z, **{
+                    name: _difference(found[name]) if found.get(name) is not None
+                    else _undefined(rows, row["label"], name, z) for name in references}})
+        versus = [Column(f"vs {name}" if name != "no DP" else "vs itself without DP",
+                         lambda pair, name=name: pair[name]) for name in references]
+
+        lines = [f"### {scenario}\n", markdown_table(figures, named),
+                 "Paired differences in accuracy points [95% interval], at the same noise "
+                 "multiplier, over the seeds both sides have:\n",
+                 markdown_table([Column("row", lambda pair: pair["label"]),
+                                 Column("z", lambda pair: str(pair["z"])),
+                                 *versus],
+                                paired).rstrip("\n")]
         parts.append("\n".join(lines) + f"\n\n![{scenario}](matrix/privacy-{scenario}.png)\n")
     return "\n".join(parts)
 
@@ -145,7 +149,7 @@ def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> lis
         fig, (ax,) = figure(7, 4.5)
         for index, (label, row) in enumerate(rows.items()):
             style = row_style(index)
-            measured = sorted((level["epsilon"], *level["accuracy"])
+            measured = sorted((level["epsilon"], *(100 * v for v in level["accuracy"][:2]))
                              for level in row["levels"].values()
                              if "accuracy" in level and level.get("epsilon"))
             if measured:
@@ -153,7 +157,7 @@ def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> lis
                 ax.errorbar(epsilons, means, yerr=stds, label=label, color=style["color"],
                             linestyle=style["linestyle"], marker=style["marker"], capsize=2)
             if "none" in row:
-                ax.axhline(row["none"]["accuracy"][0], color=style["color"], linestyle=":",
+                ax.axhline(100 * row["none"]["accuracy"][0], color=style["color"], linestyle=":",
                            linewidth=0.8)
         bottom = ax.get_ylim()[0]  # a level whose every seed diverged: an x on the floor
         spent = level_epsilons(rows)
@@ -165,7 +169,7 @@ def privacy_plots(stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> lis
                            color=row_style(index)["color"])
         ax.set_ylim(bottom=bottom)
         ax.set(xscale="log", xlabel="epsilon spent (log; local DP)",
-               ylabel="personalized accuracy (last 5 rounds)",
+               ylabel="personalized accuracy (points, last 5 rounds)",
                title=f"{scenario}: accuracy under DP (dotted: without DP; x: diverged)")
         ax.legend(fontsize=7)
         save(fig, out / "matrix" / f"privacy-{scenario}.png")
