@@ -1,14 +1,15 @@
 """Does today's code reproduce the evidence matrix's stored cells? One stored report cell per
-method (Dirichlet 0.1 unless ``--scenario`` names another, seed 1, its stored configuration)
-runs again with its stored run config, and its per-round accuracy and uplink are compared
-with the stored ones, exactly.
+method (Dirichlet 0.1 unless ``--scenario`` names another, seed 1 unless ``--seed``, its stored
+configuration) runs again with its stored run config, and its per-round accuracy and uplink
+are compared with the stored ones, exactly.
 
     python bench/reproduce.py                    # every method of the Dirichlet 0.1 scenario
     python bench/reproduce.py --only fedavg,fedfac
-    python bench/reproduce.py --scenario pathological-2 --only local
+    python bench/reproduce.py --scenario cross-device --only fedfac@dynamic --seed 7
 
-A row's cell is the first of its stored seed-1 report cells in name order (a doubled length's
-name, ``...+num-server-rounds=320-seed1``, sorts before its base length's). Run it before and
+A row's cell is, of its stored report cells of that seed, one stored on this machine's CPU
+and packages where there is one (``numerics``: only those are expected to be identical), then
+the one of fewest rounds, then the first in name order. Run it before and
 after a change that should not change behaviour (a refactoring), on one machine (another CPU
 gives other last bits: ``bench/README.md``); the table goes to ``bench/results/reproduce.md``,
 ``reproduce-<scenario>.md`` for another scenario.
@@ -30,11 +31,15 @@ SEED = 1
 COMPARED = ("accuracy_per_round", "mb_up_per_round", "accuracy_weighted", "mb_up_total")
 
 
-def stored_config(scenario: str, label: str) -> dict | None:
-    """The configuration of the stored report cell of ``label`` (seed ``SEED``), if any."""
-    folder = cell_path(RESULTS, scenario, label, "report", {}, SEED).parent
-    found = sorted(folder.glob(f"report-*-seed{SEED}.json"))
-    return json.loads(found[0].read_text())["config"] if found else None
+def stored_config(scenario: str, label: str, seed: int = SEED, here: str = "") -> dict | None:
+    """The configuration of the stored report cell of ``label`` and ``seed`` to re-run, if any:
+    one stored on ``here`` (``numerics``) first, then the one of fewest rounds."""
+    folder = cell_path(RESULTS, scenario, label, "report", {}, seed).parent
+    cells = [json.loads(path.read_text())
+             for path in sorted(folder.glob(f"report-*-seed{seed}.json"))]
+    cells.sort(key=lambda cell: (cell.get("numerics") != here,
+                                 cell["run_config"]["num-server-rounds"]))
+    return cells[0]["config"] if cells else None
 
 
 def shown(cell: dict | None) -> str:
@@ -71,6 +76,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default="dirichlet-0.1", choices=list(SCENARIOS))
     parser.add_argument("--only", default="", help="comma-separated labels (default: all)")
+    parser.add_argument("--seed", type=int, default=SEED, help="the report seed whose cells "
+                        "are re-run")
     parser.add_argument("--out", default="", help="keep the re-run cells here (default: a "
                         "temporary folder); a cell already there is not run again")
     args = parser.parse_args()
@@ -85,23 +92,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, warm_federation() as federation:
         fresh_matrix = Matrix(federation, common, out=Path(args.out or tmp))
         for item in entries:
-            config = stored_config(scenario, item.label)
+            config = stored_config(scenario, item.label, args.seed, here)
             if config is None:
                 continue
-            stored = stored_matrix.cell(scenario, item, "report", config, SEED, may_run=False)
-            fresh = fresh_matrix.cell(scenario, item, "report", config, SEED)
+            stored = stored_matrix.cell(scenario, item, "report", config, args.seed,
+                                       may_run=False)
+            fresh = fresh_matrix.cell(scenario, item, "report", config, args.seed)
             same = same_run(stored, fresh)
             stored_on = (stored or {}).get("numerics", "not recorded")
             lines.append(f"| {item.label} | {json.dumps(config)} | {shown(stored)} | "
                          f"{stored_on} | {shown(fresh)} | {verdict(same, stored_on, here)} |")
             print(lines[-1], flush=True)
-    body = (f"Scenario {scenario}, seed {SEED}, the stored report cell of each row, re-run on "
+    body = (f"Scenario {scenario}, seed {args.seed}, the stored report cell of each row, re-run on "
             f"{here}. Identical: the per-round accuracy and uplink and the final ones are "
             "equal to the last bit; a cell stored on another CPU (its `numerics`, where it "
             "recorded them) is not expected to be (`bench/README.md`, reproducibility).\n\n"
             + "\n".join(lines) + "\n")
     command = "python bench/reproduce.py" + "".join(
-        f" --{k} {v}" for k, v in (("scenario", scenario), ("only", args.only))
+        f" --{k} {v}" for k, v in (("scenario", scenario), ("only", args.only),
+                                    ("seed", args.seed))
         if v and v != parser.get_default(k))
     name = "reproduce" if scenario == parser.get_default("scenario") else f"reproduce-{scenario}"
     write_report(name, "Stored matrix cells re-run", command, body)
