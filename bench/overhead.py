@@ -1,18 +1,22 @@
-"""A run's fixed cost, cold and warm, and the app's overhead against a bare PyTorch loop.
+"""A run's fixed cost, cold and warm, against Flower's own floor app and a bare PyTorch loop.
 
     python bench/overhead.py --rounds 2 --supernodes 10 --repeats 3
+    python bench/overhead.py --cold-only --repeats 5   # the demo against Flower's floor only
     python bench/overhead.py --matrix --rounds 5 --repeats 2   # one evidence-matrix cell
     python bench/overhead.py --matrix --rounds 5 --repeats 2 --device cuda   # on a GPU
 
 FedAvg on digits (``--matrix``: on a matrix cell's configuration, Dirichlet 0.1 over 20
 clients of the report pool, LeNet-5, 5 local epochs; bare and warm only; ``--device cuda``:
 the bare loop on the GPU and each simulated client on its share of it). Four ways to run
-the same rounds, each ``--repeats`` times, medians:
+the same rounds, and Flower's floor, each ``--repeats`` times, medians:
 
 - bare: the same clients (data partitions), seeded model, local rule and personalized
   evaluation in one process, state dicts averaged in-process, no Flower at all;
 - cold: ``bash scripts/demo.sh`` as a user types it (SUPERNODES set): environment check,
-  a private SuperLink started and stopped, a private Ray instance inside the run;
+  a private SuperLink started and stopped, a private Ray instance inside the run; beside
+  Flower's floor (``bench/floor_app``, a preflight and replies at once from a ClientApp that
+  imports PyTorch, started by ``flwr run`` as Flower starts it), interleaved, with the
+  timeline of both (``MILESTONES``: from their output, their processes, the launcher's marks);
 - warm: runs one after another as the test session and the benchmarks run them
   (``launch.federation.warm_federation``: one SuperLink, Ray head and fork server kept up,
   the next run's Ray workers started early); the first warm run is left out;
@@ -32,27 +36,33 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
+import shutil
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
+from typing import NamedTuple
 
 import torch
 from flwr.app import Context, RecordDict
 
-from bench.report import machine, write_report
+from bench.report import machine, produced_by, write_report
 from client_app.runtime import Client
-from launch.app_project import app_defaults
-from launch.federation import LocalFederation, warm_federation
+from launch.app_project import app_defaults, app_packages
+from launch.federation import SUPEREXEC_POLL_SECONDS, LocalFederation, warm_federation
+from launch.processes import free_port, watch
 from launch.ray_head import gpus_per_client
+from launch.run_output import TIMELINE_ENV
 from launch.warm_start import ForkServer
 from strategies.registry import build_model
 from strategies.training import LocalTraining, evaluate_model
 
 ROOT = Path(__file__).resolve().parents[1]
+FLOOR_APP = ROOT / "bench" / "floor_app"
 
 
 def bare_loop(run_config: dict, num_clients: int, rounds: int) -> list[float]:
@@ -91,18 +101,107 @@ def rounds_seconds(out: Path) -> float:
     return sum(r["seconds"] for r in json.loads((out / "results.json").read_text())["rounds"])
 
 
-def cold_run(config: dict, supernodes: int, out: Path) -> tuple[float, float]:
-    """``bash scripts/demo.sh`` with ``config``: (wall seconds, seconds of its rounds)."""
+# A cold run's milestones: (name, how it shows, what shows it). "process": a process of the run
+# whose command line holds the text starts (a Ray worker: takes it as its title); "line": the
+# first output line that holds it; "mark": the launcher's own (launch.run_output.mark)
+MILESTONES = (
+    ("SuperLink process started", "process", ("flower-superlink",)),
+    ("config checked (launcher)", "mark", ("config checked",)),
+    ("SuperExec started (SuperLink serving)", "process", ("flower-superexec",)),
+    ("run's process started (flwr-simulation)", "process", ("flwr-simulation",)),
+    ("simulation started (Flower's first line)", "line", ("Starting Flower Simulation",)),
+    ("Ray starts (gcs_server)", "process", ("gcs_server",)),
+    ("ServerApp ready (its first line)", "line", ("[start] ",)),
+    ("first Ray worker", "process", ("default_worker.py",)),
+    ("first ClientAppActor", "process", ("ray::ClientAppActor",)),
+    ("preflight answered (data, model)", "line", ("identify: ", "preflight: ")),
+    ("rounds done, results written", "line", ("[final] wrote to",)),
+)
+
+
+class ColdRun(NamedTuple):
+    wall: float  # from the command's start to its exit
+    rounds: float  # the seconds of its rounds (the app's own record)
+    events: dict[str, float]  # milestone: seconds from the start
+    cpu: float  # CPU seconds of the command and every process it started
+    others: float  # cores busy with other work meanwhile (``launch.processes.Watched``)
+
+    @property
+    def fixed(self) -> float:  # its fixed cost
+        return self.wall - self.rounds
+
+
+def watched_run(command: list[str], env: dict[str, str], rounds_of: Callable[[], float],
+                may_leave: bool = False) -> ColdRun:
+    """``command`` run to its exit (``launch.processes.watch``: what still runs after it is
+    stopped then, untimed: the SuperLink a plain ``flwr run`` leaves up, where ``may_leave``,
+    else the benchmark stops), its ``MILESTONES`` read from its output, its processes and the
+    launcher's marks. ``rounds_of()``: its rounds' seconds, read after it exits."""
+    marks = Path(tempfile.mkstemp(prefix="timeline-")[1])
+    try:
+        run = watch(command, {**env, TIMELINE_ENV: str(marks)}, ROOT)
+        seen = {"line": run.lines, "process": run.titles, "mark": [
+            (float(at) - run.started, what) for at, _, what in
+            (line.partition(" ") for line in marks.read_text().splitlines())]}
+    finally:
+        marks.unlink()
+    if run.code != 0 or (run.left and not may_leave):
+        output = "".join(line for _, line in run.lines)
+        raise SystemExit(f"{' '.join(command[:3])} failed ({run.code}; left running: "
+                         f"{run.left}):\n{output[-3000:]}")
+    events = {name: hits[0] for name, how, shows in MILESTONES
+              if (hits := [at for at, text in seen[how] if any(s in text for s in shows)])}
+    return ColdRun(run.wall, rounds_of(), events, run.cpu, run.others)
+
+
+def demo_cold(config: dict, supernodes: int, out: Path) -> ColdRun:
+    """``bash scripts/demo.sh`` as a user types it (SUPERNODES set), with ``config``."""
     overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in {**config, "output-dir": out}.items()]
-    start = time.perf_counter()
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), *overrides],
-                          capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "SUPERNODES": str(supernodes)})
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
-    return wall, rounds_seconds(out)
+    return watched_run(["bash", str(ROOT / "scripts" / "demo.sh"), *overrides],
+                       {**os.environ, "SUPERNODES": str(supernodes)},
+                       lambda: rounds_seconds(out))
+
+
+def floor_cold(supernodes: int, rounds: int, out: Path) -> ColdRun:
+    """Flower's own cold start of its floor app: ``flwr run --stream``, which starts a local
+    SuperLink itself, in a fresh ``FLWR_HOME`` on free ports, set as ``cold_report`` says."""
+    home = Path(tempfile.mkdtemp(prefix="flwr-floor-"))
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()), "FLWR_TELEMETRY_ENABLED": "0",
+           "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(SUPEREXEC_POLL_SECONDS)}
+    try:
+        return watched_run(
+            [f"{bin_dir}/flwr", "run", str(FLOOR_APP), "--stream", "--federation-config",
+             f"num-supernodes={supernodes} client-resources-num-cpus=1", "--run-config",
+             f"num-server-rounds={rounds} min-nodes={supernodes} output-dir='{out}'"], env,
+            lambda: sum(json.loads((out / "floor.json").read_text())["round_seconds"]),
+            may_leave=True)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def cold_pairs(config: dict, supernodes: int, repeats: int, tmp: Path
+               ) -> tuple[list[ColdRun], list[ColdRun]]:
+    """The demo and the floor cold, ``repeats`` times each, interleaved (the order turned each
+    time), after a pair left out (``cold_report`` says why)."""
+    demo, floor = [], []
+    for index in range(repeats + 1):
+        pair = [("demo", demo_cold, (config, supernodes, tmp / f"demo-{index}")),
+                ("floor", floor_cold, (supernodes, config["num-server-rounds"],
+                                       tmp / f"floor-{index}"))]
+        for name, run, arguments in pair if index % 2 else reversed(pair):
+            timed = run(*arguments)
+            print(f"{name} {index}: wall {timed.wall:.1f} s, rounds {timed.rounds:.1f} s, "
+                  f"other work {timed.others:.2f} cores", flush=True)
+            if index:
+                (demo if name == "demo" else floor).append(timed)
+    return demo, floor
 
 
 def timed_run(federation: LocalFederation, config: dict, supernodes: int, out: Path,
@@ -167,6 +266,7 @@ def main() -> None:
                         help="a matrix cell's configuration (20 clients), bare and warm only")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the bare loop and every client train (cuda: --matrix only)")
+    parser.add_argument("--cold-only", action="store_true", help="the demo and the floor only")
     args = parser.parse_args()
     if args.device != "cpu" and not args.matrix:
         parser.error("--device cuda times a matrix cell (--matrix): the demo has no GPU share")
@@ -177,25 +277,29 @@ def main() -> None:
         config = {**COMMON, **SCENARIOS["dirichlet-0.1"].config, **config, "lr": 0.03,
                   "dataset": str(pool_file())}
         args.supernodes = NUM_CLIENTS
+    if args.cold_only:  # printed, no report
+        with tempfile.TemporaryDirectory() as tmp:
+            print(cold_report(*cold_pairs(config, args.supernodes, args.repeats, Path(tmp))))
+        return
 
     torch.set_num_threads(1)  # as each Ray ClientApp worker (client-resources-num-cpus=1)
     bare = []
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        seconds = bare_loop(config, args.supernodes, args.rounds)
-        bare.append((time.perf_counter() - start, sum(seconds)))
+        start, seconds = time.perf_counter(), sum(bare_loop(config, args.supernodes, args.rounds))
+        bare.append((time.perf_counter() - start, seconds))
     with tempfile.TemporaryDirectory() as tmp:
         warm = warm_runs(config, args.supernodes, args.repeats, Path(tmp))
         if args.matrix:
             matrix_report(args, bare, warm)
             return
-        cold = [cold_run(config, args.supernodes, Path(tmp) / f"cold-{i}")
-                for i in range(args.repeats)]
+        demo, floor = cold_pairs(config, args.supernodes, args.repeats, Path(tmp))
         elapsed, paired = side_by_side_runs(config, args.supernodes, args.repeats, Path(tmp))
 
+    cold, floors = ([(run.wall, run.rounds) for run in runs] for runs in (demo, floor))
     bare_rounds = median(r for _, r in bare)
     rows = []
     for name, runs in (("bare PyTorch loop", bare), ("cold: `bash scripts/demo.sh`", cold),
+                       ("cold: Flower's floor app, `flwr run` (below)", floors),
                        ("warm: `warm_federation` (kept SuperLink, Ray head, fork server; "
                         "primed workers)", warm)):
         wall, rounds = median(w for w, _ in runs), median(r for _, r in runs)
@@ -210,12 +314,62 @@ def main() -> None:
     table = ("| how | wall time | its rounds (sum) | fixed cost (wall - rounds) | rounds / bare "
              "rounds |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
              f"Medians of {args.repeats} repeats each; every run's wall and rounds: bare "
-             f"{_pairs(bare)}; cold {_pairs(cold)}; warm {_pairs(warm)}; side by side "
-             f"{_pairs(paired)}, {len(paired)} runs in {elapsed:.1f} s.\n")
+             f"{_pairs(bare)}; cold {_pairs(cold)}; floor {_pairs(floors)}; warm "
+             f"{_pairs(warm)}; side by side {_pairs(paired)}, {len(paired)} runs in "
+             f"{elapsed:.1f} s.\n")
     command = (f"python bench/overhead.py --rounds {args.rounds} --supernodes "
                f"{args.supernodes} --repeats {args.repeats}")
+    code = produced_by("pyproject.toml", *app_packages(), "launch", "scripts",
+                       "bench/overhead.py", "bench/floor_app")
     write_report("overhead", f"A run's fixed cost (FedAvg, digits, {args.supernodes} clients, "
-                 f"{args.rounds} rounds)", command, table)
+                 f"{args.rounds} rounds)", command,
+                 f"On {machine()}; the app, launcher and benchmark at `{code}`.\n\n" + table
+                 + "\n" + cold_report(demo, floor))
+
+
+def cold_report(demo: list[ColdRun], floor: list[ColdRun]) -> str:
+    """The demo's cold start against Flower's floor: the ratio of their fixed costs, each
+    milestone's median time, every pair, and how busy the machine was with other work."""
+    ratios = [d.fixed / f.fixed for d, f in zip(demo, floor, strict=True)]
+    others, quiet = [run.others for run in demo + floor], 0.1  # cores busy with other work
+    calm = [r for d, f, r in zip(demo, floor, ratios, strict=True)
+            if max(d.others, f.others) < quiet]
+    rows = [f"| {name} | {_at(demo, name)} | {_at(floor, name)} |" for name, *_ in MILESTONES]
+    rows += [f"| {name} | {median(getattr(r, key) for r in demo):.1f} s | "
+             f"{median(getattr(r, key) for r in floor):.1f} s |" for name, key in (
+                 ("the command exits (wall time)", "wall"),
+                 ("fixed cost (wall - rounds)", "fixed"), ("CPU, all its processes", "cpu"))]
+    pairs = "; ".join(f"{d.wall:.1f}/{d.rounds:.1f} s against {f.wall:.1f}/{f.rounds:.1f} s "
+                      f"({ratio:.2f}x; other work {d.others:.2f}/{f.others:.2f} cores)"
+                      for d, f, ratio in zip(demo, floor, ratios, strict=True))
+    return (
+        "## A cold start against Flower's own\n\n"
+        f"The demo's fixed cost is **{median(ratios):.2f}x** Flower's floor app's (median of "
+        f"{len(ratios)} interleaved pairs' ratios; ratio of the medians "
+        f"{median(r.fixed for r in demo) / median(r.fixed for r in floor):.2f}x). The floor "
+        "(`bench/floor_app`): a preflight query to every node, then one message a round, each "
+        "answered at once by a ClientApp that imports PyTorch, run as Flower runs it: `flwr "
+        "run bench/floor_app --stream` starts its own SuperLink; the demo's federation (as "
+        "many SuperNodes, one CPU a client), its SuperExec poll, no dependency install. Its "
+        "wall time ends as `flwr run` exits (the SuperLink it leaves up is stopped after, "
+        "untimed), the demo's as `scripts/demo.sh` exits, all it started stopped. The two "
+        "alternate, the order turned each pair, after a pair left out (files in the page "
+        "cache; the clients' splits in their cache, as on a user's second run).\n\n"
+        + (f"The machine was {'quiet' if max(others) < quiet else '**not quiet**'}: other "
+           f"work kept {median(others):.2f} of its {os.cpu_count()} cores busy during a run "
+           f"(median; {min(others):.2f} to {max(others):.2f}; the benchmark's own watching "
+           f"not counted). Over the pairs with under {quiet} cores of it in either run "
+           f"({len(calm)} of {len(ratios)}): {f'{median(calm):.2f}x' if calm else '-'}.\n\n")
+        + "Timeline, seconds from the command's start (medians; \"ServerApp ready\" is its "
+        "first line, \"preflight answered\" every client's first message: the demo's loads "
+        "its data and builds its model):\n\n"
+        "| milestone | demo | floor |\n|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        f"Every pair (wall/rounds, demo against floor): {pairs}.\n")
+
+
+def _at(runs: list[ColdRun], name: str) -> str:
+    seen = [run.events[name] for run in runs if name in run.events]
+    return f"{median(seen):.1f} s" if len(seen) == len(runs) else "–"
 
 
 def matrix_report(args: argparse.Namespace, bare: list[tuple[float, float]],

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -31,48 +30,29 @@ import tempfile
 import threading
 import time
 import tomllib
-import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
 from launch.app_project import app_defaults, bundle_files
 from launch.control_api import LogStream, finished, list_runs, run_record, start_run
-from launch.processes import for_terminal_only, free_port, stop_process_groups, uncoloured
+from launch.processes import (
+    exit_on_sigterm,
+    for_terminal_only,
+    free_port,
+    stop_process_groups,
+    uncoloured,
+    wait_until_serving,
+)
 from launch.ray_head import RayHead
 from launch.run_config import check_run_config, parse_overrides
-from launch.run_output import RAY_GPU_TIP, save_run_log
+from launch.run_output import FAILED_WITH, RAY_GPU_TIP, FlowerRun, exit_with, mark, save_run_log
 from launch.warm_start import ForkServer
 
 SUPEREXEC_POLL_SECONDS = 0.1  # how soon a submitted run's process starts (Flower's: 1 s)
 STATUS_POLL_SECONDS = 0.25  # how often a run's status is read while it runs
 STREAM_GRACE_SECONDS = 10.0  # for a finished run's last lines (the stream's 0.5 s tick)
-# Flower's words before the ServerApp's exception in a failed run's status details
-FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-@dataclass
-class FlowerRun:
-    """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
-
-    # 0: the run ended (``status`` says how); 1: not started, or its SuperLink exited or could
-    # not say how it ended (``output`` says why); 124: not ended within the timeout, stopped
-    returncode: int
-    output: str
-    run_id: str | None
-    status: str  # e.g. "finished:completed", "finished:failed"; "" if the run never started
-    reason: str = ""  # why it failed: the ServerApp's one line (Flower's status details)
-    # or, with returncode 1 after the start, the launcher's
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and self.status == "finished:completed"
 
 
 class LocalFederation:
@@ -81,7 +61,7 @@ class LocalFederation:
     def __init__(self, home: str | Path | None = None, ray_address: str | None = None,
                  pythonpath: Sequence[str | Path] = (),
                  forkserver: ForkServer | None = None, ray_head: RayHead | None = None,
-                 superexec_poll_seconds: float = SUPEREXEC_POLL_SECONDS) -> None:
+                 superexec_poll_seconds: float | None = None) -> None:
         # runs join a Ray head of ours (primed for the next run after each), or the cluster
         # at ray_address, or start a private Ray instance each
         if ray_head is not None and ray_address is not None:
@@ -94,12 +74,14 @@ class LocalFederation:
         # Flower hands the PYTHONPATH on to its Ray workers
         self.pythonpath = [str(Path(folder).resolve()) for folder in pythonpath]
         # each poll a request: an idle SuperLink's CPU, 4.6 s a minute at 0.1 s, 0.7 s at 1 s
-        self.superexec_poll_seconds = superexec_poll_seconds
+        self.superexec_poll_seconds = (SUPEREXEC_POLL_SECONDS if superexec_poll_seconds is None
+                                       else superexec_poll_seconds)
         self._tmp = tempfile.TemporaryDirectory(prefix="flwr-home-") if home is None else None
         self.home = Path(home or self._tmp.name)
         self.http_port, self.control_port = free_port(), free_port()
         self.process: subprocess.Popen | None = None
         self._previous_sigterm: Any = None
+        self._unfinished: set[str] = set()  # runs started and not seen to finish
 
     @property
     def env(self) -> dict[str, str]:
@@ -126,37 +108,43 @@ class LocalFederation:
                 "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(self.superexec_poll_seconds)}
 
     def __enter__(self) -> LocalFederation:
+        self.start()
+        self.wait_ready()
+        return self
+
+    def start(self) -> None:
+        """Start the SuperLink, without waiting for it (``wait_ready``); ``__exit__`` stops
+        it. The demo's launcher checks the run config meanwhile."""
         if threading.current_thread() is threading.main_thread():
             # SIGTERM (kill, timeout) would skip __exit__ and orphan the SuperLink: turn it
             # into SystemExit so that the `with` block still stops what it started.
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            self._previous_sigterm = signal.signal(signal.SIGTERM, exit_on_sigterm)
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "config.toml").write_text(
             '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
-        log = open(self.home / "superlink.log", "ab")
-        self.process = subprocess.Popen(
-            ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
-             "--control-api-address", f"127.0.0.1:{self.control_port}",
-             "--host", "127.0.0.1", "--port", str(self.http_port)],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"flower-superlink exited; see {self.home}/superlink.log")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health",
-                                            timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.3)
-        self.__exit__(None, None, None)
-        raise RuntimeError("flower-superlink did not become healthy within 60 s")
+        with open(self.home / "superlink.log", "ab") as log:
+            self.process = subprocess.Popen(
+                ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+                 "--control-api-address", f"127.0.0.1:{self.control_port}",
+                 "--host", "127.0.0.1", "--port", str(self.http_port)],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        """Until the started SuperLink answers (at most 60 s; else stopped, and raises)."""
+        why = wait_until_serving(self.process, f"http://127.0.0.1:{self.http_port}/health", 60)
+        if why == "exited":
+            raise RuntimeError(f"flower-superlink exited; see {self.home}/superlink.log")
+        if why is not None:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"flower-superlink {why}")
 
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
             # The SuperLink runs in its own session: stop it and every process it started
-            # (the SuperExec's session with flwr-simulation and Ray included).
-            stop_process_groups(self.process, 15)
+            # (the SuperExec's session with flwr-simulation and Ray included). Once every run
+            # has finished that session holds a finished run's flwr-simulation at most, its
+            # outcome sent and Ray stopped, winding PyTorch down (2 s on 2 cores): killed
+            stop_process_groups(self.process, 15, kill_others=not self._unfinished)
         if self._tmp is not None:
             self._tmp.cleanup()
         if self._previous_sigterm is not None:
@@ -206,6 +194,7 @@ class LocalFederation:
         finally:
             if staged != Path(app_dir):
                 shutil.rmtree(staged, ignore_errors=True)
+        self._unfinished.add(run_id)
         primed = threading.Lock()  # held once the next run's workers have been asked for
         stream = LogStream(self.control_client, run_id, echo, lambda: self._prime(primed))
         stream.start()
@@ -257,6 +246,7 @@ class LocalFederation:
             return FlowerRun(124, output + f"flwr run: no end within {timeout:.0f} s\n",
                              run_id, run["status"])
         status = run["status"]
+        self._unfinished.discard(run_id)
         details = run.get("status-details", "") if status != "finished:completed" else ""
         return FlowerRun(0, output, run_id, status, FAILED_WITH.sub("", details))
 
@@ -311,8 +301,7 @@ class LocalFederation:
 @contextlib.contextmanager
 def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServer | None = None,
                     ray_address: str | None = None, ray_cpus: int | None = None,
-                    superexec_poll_seconds: float = SUPEREXEC_POLL_SECONDS
-                    ) -> Iterator[LocalFederation]:
+                    superexec_poll_seconds: float | None = None) -> Iterator[LocalFederation]:
     """A private SuperLink whose runs join one Ray cluster kept up between them (a Ray head of
     its own, or the one at ``ray_address``), their ``flwr-simulation`` processes forked from a
     fork server (``forkserver``, or one of its own): one run after another skips Ray's start
@@ -364,8 +353,9 @@ def warm_federation(pythonpath: Sequence[str | Path] = (), forkserver: ForkServe
 
 def main() -> None:
     """The demo's launcher: the overrides read and checked (one line and exit 2 on a
-    mistake, before anything starts), the run, then its outcome in one line: exit 0 only
-    for ``finished:completed``."""
+    mistake: the general keys before anything starts, the method, model and partition while
+    the SuperLink starts, which is then stopped), the run, then its outcome in one line: exit
+    0 only for ``finished:completed``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--app", default=".")
     parser.add_argument("--supernodes", type=int, default=10)
@@ -377,23 +367,30 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*",
                         help="run-config overrides as key=value (method=fedper, lr=0.1)")
     args = parser.parse_args()
-    try:
-        run_config = parse_overrides(args.overrides, app_defaults(Path(args.app).resolve()))
-        check_run_config(run_config, args.app, args.supernodes)
-    except ConfigError as error:
-        print(f"pflower: {error}", file=sys.stderr)
-        sys.exit(2)
     sys.stdout = for_terminal_only(sys.stdout)  # the echo: colours for a terminal only
-    with LocalFederation(ray_address=args.ray_address) as federation:
-        run = federation.flwr_run(args.app, run_config, federation.federation_config(
+    federation, refused = LocalFederation(ray_address=args.ray_address), None
+    try:
+        overrides = parse_overrides(args.overrides, app_defaults(Path(args.app).resolve()))
+        # the SuperLink (2 s) starts once the general keys are checked, beside the method's
+        # check and the partition's draw (4 s: PyTorch here, datasets in a forked child)
+        check_run_config(overrides, args.app, args.supernodes, meanwhile=federation.start,
+                         fork=True)
+        mark("config checked")
+        federation.wait_ready()
+        run = federation.flwr_run(args.app, overrides, federation.federation_config(
             args.supernodes, args.cpus_per_client, args.gpus_per_client), echo=True)
+    except ConfigError as error:
+        refused = error
+    finally:
+        federation.__exit__(None, None, None)  # what it started, if anything: stopped
+    if refused is not None:
+        exit_with(2, f"pflower: {refused}", sys.stderr)
     saved = save_run_log(uncoloured(run.output))  # a file: never coloured
     stream = sys.stdout if run.ok else sys.stderr
     if saved:  # the whole stream, the lines left out of the terminal included
         print(f"full log: {saved}", file=stream)
-    print(f"run {run.run_id}: {run.status or 'not started'}"
-          + (f": {run.reason}" if run.reason else ""), file=stream)
-    sys.exit(0 if run.ok else 1)
+    exit_with(0 if run.ok else 1, f"run {run.run_id}: {run.status or 'not started'}"
+              + (f": {run.reason}" if run.reason else ""), stream)
 
 
 if __name__ == "__main__":

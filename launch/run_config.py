@@ -3,17 +3,23 @@
 Flower reads ``--run-config`` itself, but only once a SuperLink is up and the app bundled: a
 misspelled key then reads ``Invalid run configuration`` without naming it, and a bad value
 costs the SuperLink's and Ray's start before the ServerApp names it. The launchers
-(``launch/federation.py``, the benchmarks) check the whole run config here first, in about two
-seconds, and stop with one line.
+(``launch/federation.py``, the benchmarks) check the whole run config here first and stop with
+one line: the general keys at once; the method, model and partition (seconds of CPU for
+PyTorch's and the datasets' imports) while the demo's SuperLink starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import signal
 import sys
+import threading
 import tomllib
-from collections.abc import Iterable, Mapping
+import traceback
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +83,49 @@ def from_caller(name: str, value: Any) -> Any:
 
 
 def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".",
-                     num_partitions: int | None = None) -> RunSettings:
+                     num_partitions: int | None = None,
+                     meanwhile: Callable[[], object] | None = None, fork: bool = False
+                     ) -> RunSettings:
     """The app's run config with ``overrides``, checked as the ServerApp will check it, plus
     what only this machine can tell (it runs the sites of a simulation): every key known
     (the closest known key suggested), types and ranges, the names of method, dataset and
     model, and the files the config names; with ``num_partitions`` (the launcher's number of
     clients), the whole partition drawn once (``fldata.check_partition``), its warning
-    printed once. Raises a one-line ``ConfigError``."""
+    printed once. Raises a one-line ``ConfigError``.
+
+    In two halves: the general keys, without PyTorch (well under a second); then the method,
+    the model and the rules across keys (the method registry imports PyTorch, about 1.5 s of
+    CPU) and the partition (on the general keys alone: about 2.5 s of CPU for the datasets'
+    imports). ``meanwhile()`` is called between the two (the demo's launcher starts its
+    SuperLink). ``fork``: the partition drawn in a child forked from this process, beside the
+    method's check (``_PartitionDraw``), for a caller that has started no thread, not even a
+    native one (PyTorch's, gRPC's, Ray's): the demo's launcher. A mistake of the method's is
+    said first either way."""
+    run_config = _check_general(overrides, app_dir)
+    if meanwhile is not None:
+        meanwhile()
+    draw = None
+    if num_partitions is not None:
+        draw = _PartitionDraw(RunSettings.from_run_config(run_config), num_partitions, fork)
+    try:
+        # imported here, not at the top: the registry imports PyTorch (seconds of CPU), and a
+        # mistake in a general key is reported without it
+        from strategies.registry import load_settings
+        settings = load_settings(run_config)
+        warning = draw.result() if draw is not None else None
+    finally:
+        if draw is not None:
+            draw.stop()
+    if warning is not None and warning not in _WARNED:
+        _WARNED.add(warning)
+        print(f"pflower: warning: {warning}", file=sys.stderr, flush=True)
+    return settings
+
+
+def _check_general(overrides: Mapping[str, Any], app_dir: str | Path) -> dict[str, Any]:
+    """``check_run_config``'s first half: every key known, the general keys' types and
+    ranges, the dataset's name and the files the config names, a resumed run's checkpoint,
+    the trackers installed. Returns the whole run config (the defaults with ``overrides``)."""
     defaults = app_defaults(Path(app_dir).resolve())
     for name in overrides:
         if name not in defaults:
@@ -96,13 +138,58 @@ def check_run_config(overrides: Mapping[str, Any], app_dir: str | Path = ".",
     if general.resume_from and not (Path(general.resume_from) / CHECKPOINT).exists():
         raise ConfigError(f"resume-from: no {CHECKPOINT} in {general.resume_from}")
     check_installed(general.trackers())  # in a simulation the ServerApp runs here
-    # imported here, not at the top: the registry imports PyTorch (seconds of CPU), and a
-    # mistake in a general key above is reported without it
-    from strategies.registry import load_settings
-    settings = load_settings(run_config)
-    if num_partitions is not None:
-        warning = check_partition(settings, num_partitions)
-        if warning is not None and warning not in _WARNED:
-            _WARNED.add(warning)
-            print(f"pflower: warning: {warning}", file=sys.stderr, flush=True)
-    return settings
+    return run_config
+
+
+class _PartitionDraw:
+    """``fldata.check_partition(settings, num_partitions)``; with ``fork``, in a child forked
+    from this process, beside the caller's own work (its imports, scikit-learn's and
+    datasets', take the other core). In this process, when ``result`` is asked, without
+    ``fork``, where another Python thread runs (a fork copies no thread, and could copy a
+    lock one holds) or where there is no ``os.fork``."""
+
+    def __init__(self, settings: RunSettings, num_partitions: int, fork: bool) -> None:
+        self.settings, self.num_partitions = settings, num_partitions
+        self.pid: int | None = None
+        if not fork or threading.active_count() > 1 or not hasattr(os, "fork"):
+            return
+        read_end, write_end = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: the draw's outcome on the pipe, then exit at once
+            try:
+                os.close(read_end)
+                with os.fdopen(write_end, "w") as pipe:
+                    json.dump(self._draw(), pipe)
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        self.pipe = os.fdopen(read_end)
+
+    def _draw(self) -> dict[str, str | None]:
+        try:
+            return {"warning": check_partition(self.settings, self.num_partitions)}
+        except ConfigError as error:
+            return {"refused": str(error)}
+        except Exception:
+            return {"failed": traceback.format_exc()}
+
+    def result(self) -> str | None:
+        """The draw's warning (or None); raises the ``ConfigError`` that refused it."""
+        if self.pid is None:
+            return check_partition(self.settings, self.num_partitions)
+        outcome = json.loads(self.pipe.read() or '{"failed": "the draw\'s process exited"}')
+        if "refused" in outcome:
+            raise ConfigError(outcome["refused"])
+        if "failed" in outcome:
+            raise RuntimeError(f"drawing the partition failed:\n{outcome['failed']}")
+        return outcome["warning"]
+
+    def stop(self) -> None:
+        """The child stopped (at once, where its outcome is no longer wanted) and reaped."""
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        self.pipe.close()
+        self.pid = None

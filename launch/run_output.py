@@ -1,11 +1,49 @@
-"""What a run prints, as the launchers show it: the lines left out of the echo (Flower's and
-Ray's notices a user cannot act on), the ServerApp's lines the launchers read, and the run's
-full log written beside its results."""
+"""What a run prints and how it ended, as the launchers show it: the lines left out of the echo
+(Flower's and Ray's notices a user cannot act on), the ServerApp's lines the launchers read,
+the run's full log written beside its results, and ``FlowerRun``, a run's outcome."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
+
+
+@dataclass
+class FlowerRun:
+    """How one ``flwr run`` ended: its output and the SuperLink's status of the run."""
+
+    # 0: the run ended (``status`` says how); 1: not started, or its SuperLink exited or could
+    # not say how it ended (``output`` says why); 124: not ended within the timeout, stopped
+    returncode: int
+    output: str
+    run_id: str | None
+    status: str  # e.g. "finished:completed", "finished:failed"; "" if the run never started
+    reason: str = ""  # why it failed: the ServerApp's one line (Flower's status details)
+    # or, with returncode 1 after the start, the launcher's
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.status == "finished:completed"
+
+
+# Flower's words before the ServerApp's exception in a failed run's status details
+FAILED_WITH = re.compile(r"^\w+ failed with exception: ")
+# A file a launcher appends its milestones to ("<CLOCK_BOOTTIME seconds> <what>" a line) when
+# this variable names one: bench/overhead.py's timeline of a cold demo. Unset: nothing written
+TIMELINE_ENV = "PFLOWER_TIMELINE"
+
+
+def mark(what: str) -> None:
+    """A milestone of the launcher's, with the time, in the file ``TIMELINE_ENV`` names."""
+    if path := os.environ.get(TIMELINE_ENV):
+        with open(path, "a") as timeline:
+            timeline.write(f"{time.clock_gettime(time.CLOCK_BOOTTIME):.3f} {what}\n")
+
 
 # The ServerApp's last line of a completed run (server_app/results.py): the run's work is done
 RESULTS_WRITTEN = "[final] wrote to "
@@ -50,3 +88,13 @@ def save_run_log(output: str) -> Path | None:
     except OSError:
         return None
     return path
+
+
+def exit_with(code: int, line: str, stream: Any) -> NoReturn:
+    """A launcher's last ``line`` on ``stream``, then its exit with ``code``, at once: what it
+    started is stopped by then, and the interpreter's teardown of the modules it imported
+    (PyTorch, datasets, pandas) would cost 1.5 s more on 2 cores."""
+    print(line, file=stream)
+    for out in (sys.stdout, sys.stderr):
+        out.flush()
+    os._exit(code)

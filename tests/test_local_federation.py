@@ -163,3 +163,88 @@ def test_ray_heads_started_together_each_take_a_driver_and_stop_every_process_th
     left = {p: _cmdline(p) for p in _alive(started)}
     assert not left, f"left running: {left}"
     assert not any(temp_dir.exists() for temp_dir in temp_dirs)
+
+
+# a parent in a session of its own whose child, in another session, ignores SIGTERM (as a
+# finished run's flwr-simulation takes seconds to wind PyTorch down on it): prints the child's
+# pid, then waits
+_STUBBORN = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                              "print('ready', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child.stdout.readline()
+    print(child.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("kill_others", [False, True])
+def test_stopping_a_process_stops_what_it_started_in_other_sessions(kill_others):
+    """``stop_process_groups``: the groups ``process`` started are stopped with it; with
+    ``kill_others`` (a SuperLink whose runs have all ended) at once, without the second a
+    group that ignores SIGTERM gets before SIGKILL."""
+    from launch.processes import stop_process_groups
+
+    parent = subprocess.Popen([sys.executable, "-c", _STUBBORN], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    child = int(parent.stdout.readline())
+    began = time.monotonic()
+    stop_process_groups(parent, 15, kill_others=kill_others)
+    took = time.monotonic() - began
+    time.sleep(0.2)
+    assert not _alive({parent.pid, child})
+    if kill_others:
+        assert took < 0.9, took
+    else:
+        assert took >= 1.0, took  # SIGTERM, a second for the other groups, then SIGKILL
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_watched_command_gives_its_lines_and_processes_in_time_and_what_it_left_is_stopped():
+    """``launch.processes.watch`` (bench/overhead.py's timeline): each output line and each
+    process the command started, detached ones included, with the seconds from its start;
+    what it left running is named and stopped."""
+    from launch.processes import watch
+
+    script = ("echo first; sleep 0.5; setsid sleep 30 < /dev/null > /dev/null 2>&1 & "
+              "sleep 0.5; echo second")
+    run = watch(["bash", "-c", script], dict(os.environ), ROOT)
+    assert run.code == 0
+    assert [line for _, line in run.lines] == ["first\n", "second\n"]
+    (first, _), (second, _) = run.lines
+    assert 0 <= first < 0.5 <= second - first < 5  # the last one read as, or after, it exits
+    sleepers = [at for at, title in run.titles if title == "sleep 30"]
+    assert len(sleepers) == 1 and first <= sleepers[0] <= second
+    assert run.left == ["sleep 30"]
+    time.sleep(0.2)
+    assert not [p for p in _alive({int(p.name) for p in Path("/proc").glob("[0-9]*")})
+                if _cmdline(p).strip() == "sleep 30" and _is_ours(p, run.started)]
+
+
+def _is_ours(pid: int, since: float) -> bool:
+    """Started since ``since`` (seconds since boot): a sleeper of this test's, not another's."""
+    from launch.processes import process_table
+
+    info = process_table().get(pid)
+    return info is not None and info.started >= since - 0.1
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_partition_that_cannot_be_drawn_stops_the_superlink_started_beside_its_draw(
+        tmp_path):
+    """The demo's launcher starts its SuperLink while it checks the method and draws the
+    partition (seconds of PyTorch and datasets): a draw that fails (digits over 300 clients)
+    stops the SuperLink, and all it started, before its one line and exit 2."""
+    from launch.processes import watch
+
+    run = watch(["bash", str(ROOT / "scripts" / "demo.sh"), f"output-dir={tmp_path / 'out'}"],
+                {**os.environ, "SUPERNODES": "300"}, ROOT)
+    assert run.code == 2
+    [(_, line)] = run.lines
+    assert line.startswith("pflower: dirichlet: no draw in 10 gave each of 300 clients"), line
+    assert any("flower-superlink" in title for _, title in run.titles)
+    assert run.left == []
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,6 @@
 """A ClientApp that imports PyTorch and replies at once: what every message of a plain
-Flower PyTorch app costs a site before any work of its own."""
+Flower PyTorch app costs a site before any work of its own. It answers a preflight query
+(``query``) as it answers a round's message (``train``)."""
 
 import os
 import signal
@@ -12,9 +13,18 @@ VERSION = 1  # tests/test_site.py changes it between two runs
 app = ClientApp()
 
 
+def _reply(msg: Message) -> Message:
+    return Message(RecordDict({"metrics": MetricRecord(
+        {"version": VERSION, "pid": os.getpid(), "parent": os.getppid()})}), reply_to=msg)
+
+
+@app.query()
+def preflight(msg: Message, context: Context) -> Message:
+    return _reply(msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     if context.run_config["crash"]:
         os.kill(os.getpid(), signal.SIGKILL)
-    return Message(RecordDict({"metrics": MetricRecord(
-        {"version": VERSION, "pid": os.getpid(), "parent": os.getppid()})}), reply_to=msg)
+    return _reply(msg)
