@@ -1,4 +1,4 @@
-"""A launcher's run config, read as users type it and checked before anything starts.
+"""A launcher's run config, read as users type it and checked before the run starts.
 
 Flower reads ``--run-config`` itself, but only once a SuperLink is up and the app bundled: a
 misspelled key then reads ``Invalid run configuration`` without naming it, and a bad value

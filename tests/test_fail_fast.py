@@ -96,8 +96,8 @@ def test_a_method_rule_across_keys_stops_with_one_line(tmp_path, overrides, line
     ``fedrep.head-epochs`` (1) would train the head in the one epoch and the shared body
     never; a DP run whose method would break the noise's bound. The method registry, and a
     method's rule across keys checked on its model built on the ``meta`` device, need
-    PyTorch (more CPU than the mistakes below), and the launcher still stops before anything
-    starts."""
+    PyTorch (more CPU than the mistakes below): the launcher checks them while its private
+    SuperLink starts, then stops it, and no run starts."""
     done, _, cpu_seconds = demo(*overrides, f"output-dir={tmp_path / 'out'}")
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"pflower: {line}\n"
@@ -137,7 +137,7 @@ def write_small_image_folder(root: Path, per_class: int = 60) -> Path:
 
 
 def test_a_partition_that_cannot_be_drawn_stops_before_the_run_in_one_line(tmp_path):
-    """600 images over 100 clients: the launcher draws the whole partition before anything
+    """600 images over 100 clients: the launcher draws the whole partition before the run
     starts and stops with one line naming the fixes; with ``min-partition-size=2`` it is
     refused the same way (no client's partition depends on a process's earlier draws, so no
     retry succeeds where a first draw failed)."""
@@ -167,10 +167,10 @@ def test_a_dataset_no_site_can_load_fails_the_run_at_the_preflight(tmp_path):
     done, seconds, _ = demo("dataset=mnist", f"output-dir={out}", env={
         "HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9", "PFLOWER_DATA_ROOT": ""})
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    # no wait for a round's timeout (600 s); beside other workers' runs the wall time is
-    # theirs as much as its own (66 s once, under three workers), so the tight bound holds
-    # when the suite runs in one process
-    assert seconds < (60 if "PYTEST_XDIST_WORKER" not in os.environ else 300), seconds
+    # no wait for a round's timeout (600 s); its own wall time is about 30 s on a quiet
+    # machine, but beside other work (test workers, a benchmark running in the background)
+    # it is theirs as much as its own (62 s once, 66 s under three workers)
+    assert seconds < 300, seconds
     last = done.stderr.strip().splitlines()[-1]
     assert last.endswith("finished:failed: preflight before round 1: all 10 clients that replied "
                          "failed: ConfigError: dataset: mnist is not on this machine: no IDX "
