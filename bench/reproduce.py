@@ -12,7 +12,7 @@ and packages where there is one (``numerics``: only those are expected to be ide
 the one of fewest rounds, then the first in name order. Run it before and
 after a change that should not change behaviour (a refactoring), on one machine (another CPU
 gives other last bits: ``bench/README.md``); the table goes to ``bench/results/reproduce.md``,
-``reproduce-<scenario>.md`` for another scenario.
+``reproduce-<scenario>[-seed<k>].md`` for another scenario or seed.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def main() -> None:
         f" --{k} {v}" for k, v in (("scenario", scenario), ("only", args.only),
                                     ("seed", args.seed))
         if v and v != parser.get_default(k))
-    name = "reproduce" if scenario == parser.get_default("scenario") else f"reproduce-{scenario}"
+    name = ("reproduce" + ("" if scenario == parser.get_default("scenario") else f"-{scenario}")
+            + ("" if args.seed == SEED else f"-seed{args.seed}"))
     write_report(name, "Stored matrix cells re-run", command, body)
 
 
