@@ -10,6 +10,7 @@ run; their actors are still their own (a run's Ray job ends with it).
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -30,6 +31,12 @@ PRIMED_FOR_SECONDS = 60  # how long primed workers wait for a run before Ray may
 # environment of its own)
 TRIAL_DRIVER = ("import sys, ray; ray.init(address=sys.argv[1], include_dashboard=False); "
                 "ray.shutdown()")
+# What ``prime`` asks the raylet with, imported as the head starts, not first in ``prime``'s
+# background thread: a first import of Ray registers ~70 loggers, and pytest walks logging's
+# registry unlocked as each test phase starts ("dictionary changed size during iteration")
+PRIME_MODULES = ("grpc", "ray._raylet", "ray.core.generated.common_pb2",
+                 "ray.core.generated.node_manager_pb2", "ray.core.generated.node_manager_pb2_grpc",
+                 "ray.core.generated.runtime_environment_pb2")
 HEAD_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_preload_python_modules": WORKER_PRELOAD,
             # By default Ray starts a worker per CPU for the first driver to join (workers no
             # run can use, as above) and holds that driver's join until they have started
@@ -93,6 +100,8 @@ class RayHead:
             self.__exit__(None, None, None)
             raise RuntimeError(f"the Ray head at {self.address} took no driver: "
                                f"{driver_failure(error)}") from None
+        for name in PRIME_MODULES:
+            importlib.import_module(name)
         return self
 
     def prime(self) -> None:

@@ -7,6 +7,8 @@ still keeps to its thread budget. That a warm run gives a cold run's results:
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 import os
 import threading
 import time
@@ -19,6 +21,7 @@ import torch
 from client_app.runtime import use_thread_budget
 from launch.federation import FlowerRun
 from launch.processes import descendants
+from launch.ray_head import PRIME_MODULES
 from tests.conftest import ROOT
 
 SMALL = {"method": "fedavg", "num-server-rounds": 1, "local-epochs": 1, "plot": False}
@@ -105,6 +108,18 @@ def test_a_warm_run_leaves_the_next_runs_workers_and_the_next_run_takes_them(fed
     taken = {pid for pid, seen_titles in titles.items()
              if any(b"ClientAppActor" in title for title in seen_titles)}
     assert taken, titles
+
+
+def test_priming_registers_no_logger_in_its_background_thread(federation):
+    """``RayHead.prime`` runs in a thread as a run ends, while pytest walks logging's registry
+    unlocked as the test's teardown starts: a logger registered then failed a teardown
+    ("dictionary changed size during iteration"). The modules it needs were imported as the
+    head started."""
+    registered = set(logging.root.manager.loggerDict)
+    for name in PRIME_MODULES:
+        importlib.import_module(name)
+    assert set(logging.root.manager.loggerDict) == registered
+    assert federation.ray_head is not None
 
 
 def test_a_client_keeps_to_its_thread_budget_in_a_process_that_imported_pytorch_first(
