@@ -192,6 +192,27 @@ def test_a_factorized_fl_cell_carries_mus_density_where_the_run_recorded_it(tmp_
             assert "no mu density recorded (its run's results.json" in capsys.readouterr().err
 
 
+def test_a_factorized_fl_report_cell_is_run_here_for_its_density_even_where_a_cell_exists(
+        tmp_path, monkeypatch):
+    """v3's report cell of the same run has no density: not taken over (its tuning cell is);
+    a stored cell no longer current runs again and gets its density too."""
+    scenario = "permuted-labels"
+    only_rows(monkeypatch, "factorized-fl", scenario=scenario)
+    item = SCENARIOS[scenario].entries[0]
+    v3 = Matrix(None, COMMON_DIGITS, tmp_path / "v3", num_clients=3)
+    _store(v3, scenario, item, {"lr": 0.03}, [0.5] * 2)
+    _store(v3, scenario, item, {"lr": 0.03}, [0.5] * 2, stage="report", seed=1)
+    # a cell stored under another local-epochs, where v4 stores it: not current
+    _store(Matrix(None, {**COMMON_DIGITS, "local-epochs": 10}, tmp_path / "v4", num_clients=3),
+           scenario, item, {"lr": 0.03}, [0.5] * 2, stage="report", seed=2)
+    v4 = Matrix(_CurveFederation(_curve, {"mu_density": 0.25}), COMMON_DIGITS, tmp_path / "v4",
+                num_clients=3, reuse=tmp_path / "v3")
+    assert "reused_from" in v4.cell(scenario, item, "tune", {"lr": 0.03}, 0)
+    for seed in (1, 2):
+        cell = v4.cell(scenario, item, "report", {"lr": 0.03}, seed)
+        assert "reused_from" not in cell and cell["mu_density"] == 0.25, seed
+
+
 def test_v4_is_written_apart_and_write_only_without_v4_cells_writes_nothing(tmp_path,
                                                                            monkeypatch):
     import bench.matrix as command

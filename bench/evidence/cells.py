@@ -99,16 +99,21 @@ class Matrix:
         out = self.runs / path.relative_to(cells).with_suffix("")
         run_config = self.run_config(scenario, item, stage, config, seed, out)
         context = {"num_clients": self.clients(scenario)}
-        if not path.exists() and stage != "privacy":
+        # not a privacy cell (the accountant changed since v3), nor a Factorized-FL report
+        # cell: v3's lack mu's density, which v4 reports
+        if not path.exists() and stage != "privacy" and not (
+                item.method == "factorized-fl" and stage == "report"):
             self.take_over(path, path.relative_to(self.out), run_config, context)
-        fresh = not path.exists()
         entry = self.store.get(
             path, run_config, name=f"{scenario} {item.label} {config_tag(config)} seed {seed}",
             about={"scenario": scenario, "label": item.label, "stage": stage,
                    "config": config, "seed": seed},
             context=context, may_run=may_run and self.federation is not None,
             diverged_is_result=True)
-        if fresh and entry is not None and item.method == "factorized-fl":
+        # a run here (a new cell, or a stored one that was no longer current and ran again)
+        # left its results.json under ``out``
+        if (entry is not None and item.method == "factorized-fl" and MU_DENSITY not in entry
+                and entry.get("status") != "diverged" and (out / "results.json").exists()):
             density = recorded_mu_density(read_results(out))
             if density is None:
                 print(f"{path.name}: no mu density recorded (its run's results.json has no "
@@ -123,8 +128,9 @@ class Matrix:
         """An earlier protocol's cell of the same run, copied to ``path`` (marked
         ``reused_from``) where it is current: its resolved configuration, the rounds and the
         data file among it, equals today's up to the keys that change no number, and so does
-        its number of clients (``RunStore.is_current``, the rule every cell is reused by). Not
-        a privacy cell: the accountant changed since v3 (its delta). The app's code is not
+        its number of clients (``RunStore.is_current``, the rule every cell is reused by).
+        ``cell`` says which cells may be (not a privacy cell, nor a Factorized-FL report
+        cell). The app's code is not
         compared: each cell names the commit that ran it."""
         old = (self.reuse / relative) if self.reuse is not None else None
         if old is None or not old.exists():
