@@ -173,8 +173,10 @@ def test_claims_are_judged_on_the_paired_interval_against_the_strongest_referenc
 def test_a_reference_is_chosen_on_validation_never_on_the_report_seeds():
     """The strongest of several references is the one with the best figure on validation at
     the scenario's rounds: FedRep's report seeds are far above FedPer's, but FedPer was the
-    better on validation, so the claim is judged against FedPer; without a validation figure
-    for a candidate, not measured. No claim asks for more seeds."""
+    better on validation, so the claim is judged against FedPer. A candidate whose tuning run
+    at the rounds diverged (no validation figure) cannot be chosen; a candidate not chosen
+    that lost a report seed does not keep the claim from being measured. No claim asks for
+    more seeds."""
     base = [0.60, 0.62, 0.58, 0.61, 0.59]
     stats = {"dirichlet-0.1": {"fedavg": _row(base), "fedper": _row(base, validation=0.9),
                                "fedrep": _row([b + 0.2 for b in base], validation=0.8),
@@ -187,7 +189,16 @@ def test_a_reference_is_chosen_on_validation_never_on_the_report_seeds():
     judged = {c["claim"]: c for c in claims(stats)}[claim]
     assert judged["unstable"] == {"fedper": [2]} and len(judged["paired_diffs"]) == 5
     assert "; fedper unstable on seed 2 (kept in the pair)" in claim_line(judged)
+    fedrep = stats["dirichlet-0.1"]["fedrep"]
+    stats["dirichlet-0.1"]["fedrep"] = {**fedrep, "diverged_seeds": [3], "per_seed": {
+        seed: f for seed, f in fedrep["per_seed"].items() if seed != 3}}
+    assert {c["claim"]: c for c in claims(stats)}[claim]["reference"] == "fedper"
+    stats["dirichlet-0.1"]["fedrep"] = fedrep
     stats["dirichlet-0.1"]["fedper"]["validation"] = None
+    judged = {c["claim"]: c for c in claims(stats)}[claim]
+    assert (judged["reference"], judged["verdict"]) == ("fedrep", "did not hold")
+    assert "; fedper not a candidate: its tuning run diverged at the rounds" in claim_line(judged)
+    del stats["dirichlet-0.1"]["fedrep"]  # a candidate that has not reported: not yet
     judged = {c["claim"]: c for c in claims(stats)}[claim]
     assert (judged["reference"], judged["verdict"]) == (None, "not measured")
 

@@ -200,12 +200,19 @@ def judge(claim: Claim, stats: dict[str, dict[str, dict[str, Any]]],
     else:
         candidates = [(label, rows.get(label)) for label in claim.reference
                       if label != claim.method]
-        if not all(complete(r) and has_figure(r) and claim.figure in (r.get("validation") or {})
-                   for _, r in candidates):
-            reference = None  # chosen on validation only: every candidate's figure there
-        else:
-            label, best = max(candidates, key=lambda lr: lr[1]["validation"][claim.figure])
-            reference = {"label": label, "per_seed": best["per_seed"], "row": best}
+        # chosen on validation only, among the candidates with a figure there (a tuning run
+        # at the rounds that diverged has none: it cannot be best); every candidate must have
+        # reported (else the matrix is not through), but only the chosen one's report seeds
+        # decide whether the claim is measured
+        eligible = [(label, r) for label, r in candidates
+                    if r is not None and claim.figure in (r.get("validation") or {})]
+        record["reference_excluded"] = [label for label, r in candidates
+                                        if r is not None and (label, r) not in eligible]
+        reference = None
+        if eligible and all(r is not None for _, r in candidates):
+            label, best = max(eligible, key=lambda lr: lr[1]["validation"][claim.figure])
+            if complete(best) and has_figure(best):
+                reference = {"label": label, "per_seed": best["per_seed"], "row": best}
     fedavg = rows.get("fedavg")
     if (not complete(row) or reference is None
             or not (has_figure(row) and has_figure(reference))
@@ -256,6 +263,9 @@ def claim_line(record: dict[str, Any]) -> str:
     diverged = record.get("reference_diverged_seeds")
     diverged = (f"; the reference diverged on {seeds_named(diverged)}: not paired"
                 if diverged else "")
+    if record.get("reference_excluded"):
+        diverged += (f"; {', '.join(record['reference_excluded'])} not a candidate: its tuning "
+                     "run diverged at the rounds")
     if record["verdict"] == "not measured":
         rows = "".join(f"; {label} diverged on {seeds_named(seeds)}"
                        for label, seeds in record.get("diverged", {}).items())
