@@ -8,8 +8,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from comparison.multiplicity import ALPHA, BUT_UNSTABLE
 from comparison.plots import draw_accuracy_vs_uplink, draw_curves, figure, save
 from comparison.stats import (
+    COLLAPSED_SHARE,
     CONVERGED_SLOPE,
     LAST_ROUNDS,
     SLOPE_ROUNDS,
@@ -23,10 +25,12 @@ from comparison.stats import (
 from comparison.table import (
     MIN_CLIENT,
     SECONDS,
+    WITHOUT_UNSTABLE,
     Column,
     Row,
     accuracy_column,
     markdown_table,
+    seeds_column,
     slope_column,
     uplink_column,
 )
@@ -134,7 +138,7 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
         f"{100 * CONVERGED_SLOPE:.1f} (a point per 10 rounds: run more rounds), and not judged "
         "with one seed. Versus the reference: the paired "
         "difference per seed, its mean and 95% interval; not worse: the interval lies at or "
-        f"above {margin:+.1f} (`--margin`); better: it lies above 0.\n",
+        f"above {margin:+.1f} (`--margin`); better: it lies above 0. {_rules(summary)}\n",
         *([f"**Short runs**: {short}.\n"] if short else []),
         *([f"**{len(seeds)} seed{'s' if len(seeds) > 1 else ''} only**: with fewer than "
            f"{FEW_SEEDS} the 95% intervals are too wide to tell methods apart (with 2, "
@@ -152,6 +156,44 @@ def report_markdown(summary: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rules(summary: dict[str, Any]) -> str:
+    """The opening paragraph's sentences on unstable seeds and on the primary family."""
+    protocol = summary["protocol"]
+    family = protocol.get("primary")  # none in a summary written before it was recorded
+    holm = (f"The primary family (`--primary`): {', '.join(family) or 'none'}, judged "
+            "together with Holm's step-down correction (ordered by p-value, the k-th of m is "
+            f"tested at one-sided {100 * ALPHA:.1f}%/(m - k + 1), stopping at the first that "
+            "does not hold, so that the chance any of them is called not worse falsely stays "
+            f"at most {100 * ALPHA:.1f}%); the other rows are exploratory, their verdicts "
+            "unadjusted. " if family is not None else "")
+    return (f"{holm}Unstable seed: a report seed that diverged, or collapsed (its figure "
+            f"below {COLLAPSED_SHARE:.0%} of its best mean over {LAST_ROUNDS} consecutive "
+            "evaluated rounds); its row's seeds name it, its accuracy is shown without it, "
+            f"and a verdict that held reads \"{BUT_UNSTABLE}\": never called not worse, "
+            "better or tied.")
+
+
+def _unstable_text(row: Row) -> str:
+    """``seed 2 collapsed, seed 3 diverged``: a row's unstable seeds and why."""
+    return ", ".join(f"seed {seed} {why.split(':')[0]}"
+                     for seed, why in row.get("unstable_why", {}).items())
+
+
+def _verdict(row: Row, verdict: str) -> str:
+    """A verdict cell: one that held on a row with an unstable seed names those seeds."""
+    return f"{verdict}: {_unstable_text(row)}" if verdict == BUT_UNSTABLE else verdict
+
+
+def _adjusted(row: Row) -> str:
+    """The Holm column: a primary row's adjusted interval and verdict, else what it is."""
+    if not row.get("primary"):
+        return "exploratory" if "verdicts" in row else "-"
+    if row.get("ci95_adjusted") is None:
+        return row.get("verdict_adjusted", "-")
+    low, high = row["ci95_adjusted"]
+    return f"[{100 * low:+.1f}, {100 * high:+.1f}] {_verdict(row, row['verdict_adjusted'])}"
+
+
 def _columns(summary: dict[str, Any]) -> list[Column]:
     """The report's table: the shared statistics, then each row against the reference."""
     protocol = summary["protocol"]
@@ -167,11 +209,17 @@ def _columns(summary: dict[str, Any]) -> list[Column]:
     return [Column("row", lambda row: row["label"]),
             Column("configuration (of searched)",
                    lambda row: f"{config_tag(row['chosen'])} ({budget.get(row['label'], 1)})"),
-            Column("seeds", lambda row: str(len(row["seeds"]))),
-            accuracy_column(), MIN_CLIENT, slope_column(_convergence), uplink_column(), SECONDS,
+            Column("seeds", lambda row: seeds_column(
+                {"seeds": len(row["seeds"]), "diverged_seeds": row.get("diverged_seeds", []),
+                 "unstable_seeds": row.get("unstable_seeds", [])})),
+            accuracy_column(), WITHOUT_UNSTABLE, MIN_CLIENT, slope_column(_convergence),
+            uplink_column(), SECONDS,
             Column(f"vs {reference} (points, 95% interval)", versus),
-            Column("not worse", lambda row: row.get("verdicts", {}).get("verdict", "-")),
-            Column("better", lambda row: row.get("verdicts", {}).get("superiority", "-"))]
+            Column("not worse", lambda row: _verdict(row, row.get("verdicts", {})
+                                                     .get("verdict", "-"))),
+            Column("better", lambda row: _verdict(row, row.get("verdicts", {})
+                                                  .get("superiority", "-"))),
+            Column("not worse, Holm-adjusted", _adjusted)]
 
 
 def _convergence(row: Row) -> str:

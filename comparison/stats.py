@@ -17,6 +17,9 @@ command (``launch/compare.py``) and the evidence matrix (``bench/evidence``).
   slope, in accuracy per round over the last ``SLOPE_ROUNDS`` rounds (least squares), says
   whether the curve has stopped rising.
 - A method is the mean and sample standard deviation of its runs' figures over seeds.
+- A report seed whose run diverged, or collapsed (``collapsed``: its figure below half its
+  best mean over ``LAST_ROUNDS`` consecutive rounds), is unstable (``unstable``): a row with
+  one is never called not worse, better or tied.
 - A method against a reference is the paired difference per seed (same seed: same data
   split, same initial model), its mean and a 95% confidence interval (Student's t over the
   seeds they share; none for a single seed).
@@ -41,6 +44,10 @@ SLOPE_ROUNDS = EVALUATED_LAST_ROUNDS  # rounds that every run evaluates, at any 
 # over the last SLOPE_ROUNDS is at most this, in accuracy a round: one point, a usual margin,
 # per 10 rounds (one seed: no interval, not judged)
 CONVERGED_SLOPE = 0.001
+# A report seed that collapsed: the mean of its last rounds (its figure) below this share of
+# its best mean over LAST_ROUNDS consecutive evaluated rounds. With a seed that diverged, an
+# unstable seed: the same rule for every row, compare's and the matrix's (``unstable``).
+COLLAPSED_SHARE = 0.5
 MB = 1024**2
 # keys that do not change a run's numbers: a stored run that differs only in these is reused
 # (evaluate-every thins the curve, not the figures: those read the rounds it always evaluates,
@@ -220,6 +227,41 @@ def by_seed_finished(cells: Sequence[Mapping[str, Any]]
     seed (``method_stats``'s input), and the seeds of those that diverged (no accuracy)."""
     finished = {c["seed"]: c for c in cells if c.get("status") != "diverged"}
     return finished, sorted(c["seed"] for c in cells if c.get("status") == "diverged")
+
+
+def collapsed(cell: Mapping[str, Any]) -> str:
+    """Why a finished run collapsed ("" where it did not): its figure (the mean of its last
+    rounds) below ``COLLAPSED_SHARE`` of its best mean over ``LAST_ROUNDS`` consecutive
+    evaluated rounds, e.g. 79.2 to 36.5."""
+    curve = cell["accuracy_per_round"]
+    last = last_rounds_mean(curve, rounds=cell.get("rounds"))
+    best = max(statistics.fmean(curve[i:i + LAST_ROUNDS])
+               for i in range(max(1, len(curve) - LAST_ROUNDS + 1)))
+    return (f"collapsed: {100 * last:.1f} over its last rounds against a best of "
+            f"{100 * best:.1f}" if last < COLLAPSED_SHARE * best else "")
+
+
+def unstable(cells: Mapping[int, Mapping[str, Any]]) -> dict[int, str]:
+    """The seeds (of ``cells``, seed -> run summary) whose run diverged or collapsed, with
+    why."""
+    return {seed: "diverged" if c.get("status") == "diverged" else why
+            for seed, c in sorted(cells.items())
+            if c.get("status") == "diverged" or (why := collapsed(c))}
+
+
+def stability(runs: Mapping[Any, Mapping[str, Any]],
+              per_seed: Mapping[Any, Mapping[str, float]]) -> dict[str, Any]:
+    """A row's report runs (seed -> run summary, diverged ones included) against its unstable
+    seeds rule: the seeds it diverged on, its ``unstable`` seeds (ints) and why (keyed as
+    ``runs``), and its accuracy (``per_seed``: ``method_stats``') without them, mean and
+    standard deviation (None where no seed is left)."""
+    why = unstable({int(seed): run for seed, run in runs.items()})
+    keys = {int(seed): seed for seed in runs}
+    stable = [f["accuracy"] for seed, f in per_seed.items() if int(seed) not in why]
+    return {"diverged_seeds": [s for s, reason in why.items() if reason == "diverged"],
+            "unstable_seeds": list(why),
+            "unstable_why": {keys[s]: reason for s, reason in why.items()},
+            "accuracy_stable": mean_std(stable) if stable else None}
 
 
 def choose(tried: Sequence[tuple[Any, Mapping[str, Any]]]) -> Any:

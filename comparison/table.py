@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from comparison.stats import seeds_named
+
 Row = Mapping[str, Any]
 
 
@@ -70,3 +72,23 @@ def uplink_column(per_round: Callable[[Row], float] | None = None) -> Column:
 
 
 SECONDS = Column("seconds", lambda row: f"{row['seconds'][0]:.0f}")
+
+
+def seeds_column(result: Row) -> str:
+    """A table's seeds column for a row or an ablation (``seeds``: how many finished): that
+    number, and the seeds it diverged on (a row's: the seeds that collapsed too, of its
+    ``unstable_seeds``), e.g. ``3, collapsed on seed 2``."""
+    diverged = result["diverged_seeds"]
+    collapsed = [s for s in result.get("unstable_seeds", []) if s not in diverged]
+    return (str(result["seeds"]) + (f", diverged on {seeds_named(diverged)}" if diverged else "")
+            + (f", collapsed on {seeds_named(collapsed)}" if collapsed else ""))
+
+
+def _without_unstable(row: Row) -> str:
+    if not row.get("unstable_seeds"):
+        return "-"
+    return "none" if row["accuracy_stable"] is None else mean_std_points(row["accuracy_stable"])
+
+
+# a row's accuracy over its seeds less its unstable ones (diverged or collapsed)
+WITHOUT_UNSTABLE = Column("without unstable seeds", _without_unstable)

@@ -18,7 +18,10 @@ run's personalized accuracy over its last 5 rounds (none in the first quarter of
 a run of 5 rounds is read on rounds 3-5, as the report and a warning say), the lowest
 client's, the slope over the last 10 rounds, uplink and time, and the paired difference per
 seed against ``--reference`` with its 95% interval; in points in the report and the printed
-lines, in fractions in ``summary.json`` (its ``units`` say so).
+lines, in fractions in ``summary.json`` (its ``units`` say so). The evidence matrix's two
+rules too: a report seed that diverged or collapsed is unstable, and its row is never called
+not worse or better; the rows of ``--primary`` (default: all but the reference) are judged
+together with Holm's correction, the others are exploratory.
 
 Everything is written under ``--out`` (default ``outputs/compare-<UTC time>`` in the current
 folder), each run in ``runs/<row>/<stage>-<config>-seed<k>/`` with its record beside it
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunSettings
+from comparison.multiplicity import judge_rows
 from comparison.report import (
     UNITS,
     run_text,
@@ -50,13 +54,13 @@ from comparison.report import (
 )
 from comparison.runs import RunStore
 from comparison.stats import (
-    accuracy_difference,
     choose,
     config_tag,
-    judge_difference,
     method_stats,
     run_figures,
     run_window,
+    seeds_named,
+    stability,
 )
 from fldata import pool_source
 from launch.app_project import app_defaults
@@ -159,7 +163,10 @@ class Comparison:
     def summary(self, row: Row, stage: str, config: dict[str, Any], seed: int
                 ) -> dict[str, Any] | None:
         """The run's record (``comparison.runs``: its summary, ``summarize_run``'s keys):
-        stored if it is current, else run; None if it failed."""
+        stored if it is current, else run; None if it failed. A report run that diverged is
+        a result, as in the evidence matrix (stored: it would diverge again; ``"status":
+        "diverged"``, no figures): an unstable seed of its row; a tuning run that diverged
+        failed (the search cannot choose it)."""
         name = f"{stage}-{config_tag(config)}-seed{seed}"
         out = (self.out / "runs" / row.label / name).resolve()
         return self.store.get(
@@ -169,7 +176,7 @@ class Comparison:
             about={"label": row.label, "stage": stage, "config": config, "seed": seed,
                    "units": UNITS},
             context={"num_clients": self.federation_config["num-supernodes"]},
-            may_run=self.federation is not None)
+            may_run=self.federation is not None, diverged_is_result=stage == "report")
 
     def _run(self, run_config: dict[str, Any], context: dict[str, Any]) -> FlowerRun:
         # flwr_run, not run: ``check`` has checked every configuration already; a run past
@@ -200,8 +207,13 @@ def budgets(rows: Sequence[Row]) -> dict[str, int]:
 
 
 def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
-            tuning_seed: int, reference: str, margin: float) -> dict[str, Any]:
-    """Tune, then run every row on every seed; the summary (``summary.json``)."""
+            tuning_seed: int, reference: str, margin: float,
+            primary: Sequence[str] | None = None) -> dict[str, Any]:
+    """Tune, then run every row on every seed; the summary (``summary.json``): each row's
+    statistics over its report seeds that did not diverge, its unstable seeds
+    (``stability``), and its claim against the reference (``judge_rows``: ``primary``, by
+    default every row but the reference, judged together with Holm's correction)."""
+    family = [r.label for r in rows if r.label != reference] if primary is None else primary
     summary: dict[str, Any] = {"units": UNITS,
                                "protocol": {"seeds": list(seeds), "tuning_seed": tuning_seed,
                                             "clients":
@@ -211,6 +223,7 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
                                                 comparison.validation_fraction,
                                             "budgets": budgets(rows),
                                             "reference": reference, "margin": margin,
+                                            "primary": list(family),
                                             "base_config": comparison.base},
                                "rows": {}, "failed": comparison.store.failed}
     for row in rows:
@@ -222,18 +235,19 @@ def compare(comparison: Comparison, rows: Sequence[Row], seeds: Sequence[int],
         # keyed by the seed as a string, as JSON writes them
         runs = {str(seed): s for seed in seeds
                 if (s := comparison.summary(row, "report", chosen, seed)) is not None}
-        if runs:
+        finished = {seed: s for seed, s in runs.items() if s.get("status") != "diverged"}
+        if finished:
+            stats = method_stats(finished)
             summary["rows"][row.label] = {
                 "method": row.method, "grid": row.grid, "chosen": chosen, "tuning": tried,
-                "curves": {seed: s["accuracy_per_round"] for seed, s in runs.items()},
-                "rounds": {seed: s["rounds"] for seed, s in runs.items()},
-                "window": {seed: run_window(s) for seed, s in runs.items()},
-                **method_stats(runs)}
-    base = summary["rows"].get(reference)
-    for label, row_stats in summary["rows"].items():
-        if base is not None and label != reference:
-            row_stats["versus_reference"] = accuracy_difference(row_stats, base)
-            row_stats["verdicts"] = judge_difference(row_stats["versus_reference"], margin)
+                "curves": {seed: s["accuracy_per_round"] for seed, s in finished.items()},
+                "rounds": {seed: s["rounds"] for seed, s in finished.items()},
+                "window": {seed: run_window(s) for seed, s in finished.items()},
+                **stats, **stability(runs, stats["per_seed"])}
+        elif runs:  # no figure left: listed with the failed runs
+            summary["failed"].append(f"{row.label}: diverged on every report seed "
+                                     f"({seeds_named(sorted(map(int, runs)))})")
+    judge_rows(summary["rows"], reference, family, margin)
     return summary
 
 
@@ -275,6 +289,10 @@ def command_parser() -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=float, default=-1.0,
                         help="accuracy points: a row is 'not worse' than the reference when "
                         "its difference's 95%% interval lies at or above this (default -1)")
+    parser.add_argument("--primary", default="",
+                        help="ROW[,ROW...]: the rows whose comparison with the reference is "
+                        "judged together, with Holm's correction (default: every row but the "
+                        "reference); the others are exploratory")
     parser.add_argument("--tuning-seed", type=int, default=0,
                         help="the seed grids are tuned on; not a report seed (default 0)")
     parser.add_argument("--validation-fraction", type=float, default=0.2,
@@ -295,10 +313,10 @@ def command_parser() -> argparse.ArgumentParser:
 
 
 def checked_comparison(args: argparse.Namespace, federation: LocalFederation | None
-                       ) -> tuple[Comparison, list[Row], str, Path]:
+                       ) -> tuple[Comparison, list[Row], str, list[str], Path]:
     """The command's arguments checked, every configuration included, before anything
-    runs: (the comparison, its rows, the reference row, the output folder). Raises a
-    one-line ``ConfigError`` (or ``ValueError``, ``OSError``)."""
+    runs: (the comparison, its rows, the reference row, the primary rows, the output
+    folder). Raises a one-line ``ConfigError`` (or ``ValueError``, ``OSError``)."""
     defaults = app_defaults(args.app.resolve())
     lr_grid = [float(v) for v in args.lr_grid.split(",") if v.strip()]
     rows = [parse_row(e, defaults, lr_grid) for e in args.methods.split(",") if e]
@@ -313,6 +331,12 @@ def checked_comparison(args: argparse.Namespace, federation: LocalFederation | N
     reference = args.reference or labels[0]
     if reference not in labels:
         raise ConfigError(f"--reference: {reference!r} is not a row ({', '.join(labels)})")
+    primary = list(dict.fromkeys(filter(None, args.primary.split(",")))) or [
+        label for label in labels if label != reference]
+    for label in primary:
+        if label not in labels or label == reference:
+            raise ConfigError(f"--primary: {label!r} is not a row compared with the reference "
+                              f"{reference} ({', '.join(labels)})")
     if args.tuning_seed in args.seeds and any(len(r.grid) > 1 for r in rows):
         raise ConfigError(f"--tuning-seed {args.tuning_seed} is a report seed: tuning "
                           "and reporting on the same seed favours the grids")
@@ -333,7 +357,7 @@ def checked_comparison(args: argparse.Namespace, federation: LocalFederation | N
     comparison = Comparison(federation, args.app.resolve(), base, out, federation_config,
                             args.run_timeout, args.validation_fraction)
     comparison.check(rows, args.seeds)
-    return comparison, rows, reference, out
+    return comparison, rows, reference, primary, out
 
 
 def main(argv: Sequence[str] | None = None, federation: LocalFederation | None = None) -> int:
@@ -342,7 +366,7 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
     command = "bash scripts/compare.sh " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
-        comparison, rows, reference, out = checked_comparison(args, federation)
+        comparison, rows, reference, primary, out = checked_comparison(args, federation)
     except (ConfigError, ValueError, OSError) as error:
         print(f"compare: {error}", file=sys.stderr)
         return 2
@@ -359,7 +383,7 @@ def main(argv: Sequence[str] | None = None, federation: LocalFederation | None =
     with (warm_federation(pythonpath=[Path.cwd()]) if federation is None
           else contextlib.nullcontext(federation)) as comparison.federation:
         summary = compare(comparison, rows, args.seeds, args.tuning_seed, reference,
-                          args.margin / 100)
+                          args.margin / 100, primary)
     print(write_report(summary, out, command))
     print(f"[compare] report: {out / 'report.md'}", flush=True)
     return 1 if summary["failed"] else 0

@@ -16,11 +16,12 @@ from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import CLAIMS, PRIMARY, claim_line
 from bench.evidence.mechanism import mechanism_off
-from bench.evidence.multiplicity import holm, interval, p_value
+from bench.evidence.multiplicity import holm
 from bench.evidence.pick import pick_lines, picks
 from bench.evidence.protocol import SCENARIOS
-from bench.evidence.stats import collapsed, row_stats, unstable
-from comparison.stats import judge_difference, mean_interval
+from bench.evidence.stats import row_stats
+from comparison.multiplicity import interval, p_value
+from comparison.stats import collapsed, judge_difference, mean_interval, unstable
 from tests.test_matrix import COMMON_DIGITS, _store, _tuned_fedavg, only_rows
 
 SCENARIO = "dirichlet-0.1"

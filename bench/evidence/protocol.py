@@ -176,8 +176,7 @@ SCENARIOS: dict[str, Scenario] = {
          "num-server-rounds": 160, "evaluate-every": 10},
         [*map(entry, (*BASELINES, *OTHER_ROWS)), *PAPER_METHODS], num_clients=100,
         # seed 0 draws no partition of the tuning pool giving 100 clients 10 images each at
-        # Dirichlet 0.3; 16 does, the first past the report seeds (a tuning run that shares
-        # no report seed's initial model either)
+        # Dirichlet 0.3; 16, the first past the report seeds (their initial models), does
         searched_on="dirichlet-0.1", tuning_seed=16,
         question="100 clients of 10 to 145 images (median 44; Dirichlet 0.3, as 0.1 cannot "
                  "give each of 100 clients 10 of the 5,000), 10 a round, 160 rounds (FedFac's "

@@ -1,9 +1,9 @@
 """Statistics over the report seeds: a row's and an ablation's, from their cells, by the
-implementation the compare command uses (``comparison/stats.py``)."""
+implementation the compare command uses (``comparison/stats.py``, the unstable-seed rule
+included: ``collapsed``, ``unstable``)."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from bench.evidence import protocol
@@ -13,38 +13,14 @@ from bench.evidence.protocol import Entry
 from bench.evidence.rounds import prefix
 from comparison.stats import (
     CONVERGED_SLOPE,
-    LAST_ROUNDS,
     by_seed_finished,
     config_tag,
     last_rounds_mean,
     mean_std,
     method_stats,
     slope_interval,
+    unstable,
 )
-
-# A report seed that collapsed: the mean of its last rounds (its figure) below this share of
-# its best mean over LAST_ROUNDS consecutive evaluated rounds. With a seed that diverged, an
-# unstable seed: the same rule for every row (``unstable``).
-COLLAPSED_SHARE = 0.5
-
-
-def collapsed(cell: dict[str, Any]) -> str:
-    """Why a finished run collapsed ("" where it did not): its figure (the mean of its last
-    rounds) below ``COLLAPSED_SHARE`` of its best mean over ``LAST_ROUNDS`` consecutive
-    evaluated rounds, e.g. 79.2 to 36.5."""
-    curve = cell["accuracy_per_round"]
-    last = last_rounds_mean(curve, rounds=cell.get("rounds"))
-    best = max(statistics.fmean(curve[i:i + LAST_ROUNDS])
-               for i in range(max(1, len(curve) - LAST_ROUNDS + 1)))
-    return (f"collapsed: {100 * last:.1f} over its last rounds against a best of "
-            f"{100 * best:.1f}" if last < COLLAPSED_SHARE * best else "")
-
-
-def unstable(cells: dict[int, dict[str, Any]]) -> dict[int, str]:
-    """The seeds (of ``cells``, seed -> cell) whose run diverged or collapsed, with why."""
-    return {seed: "diverged" if c.get("status") == "diverged" else why
-            for seed, c in sorted(cells.items())
-            if c.get("status") == "diverged" or (why := collapsed(c))}
 
 
 def row_stats(matrix: Matrix, scenario: str, item: Entry) -> dict[str, Any] | None:

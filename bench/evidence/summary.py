@@ -10,12 +10,12 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import PRIMARY
-from bench.evidence.multiplicity import ALPHA
 from bench.evidence.pick import MARGIN
 from bench.evidence.protocol import POOL_SIZE, SCENARIOS
 from bench.evidence.rounds import ROUNDS_CHOSEN_ON, validation_slope
-from bench.evidence.stats import COLLAPSED_SHARE, flag, slope_ci95, uplink_per_round
-from comparison.stats import CONVERGED_SLOPE, last_rounds_mean
+from bench.evidence.stats import flag, slope_ci95, uplink_per_round
+from comparison.multiplicity import ALPHA
+from comparison.stats import COLLAPSED_SHARE, CONVERGED_SLOPE, last_rounds_mean
 
 
 def searched_rates(row: dict[str, Any]) -> list[float]:

@@ -7,39 +7,26 @@ from typing import Any
 
 from bench.evidence import protocol
 from bench.evidence.stats import flag, uplink_per_round
-from comparison.stats import accuracy_difference, config_tag, points, seeds_named
+from comparison.stats import accuracy_difference, config_tag, points
 from comparison.table import (
     MIN_CLIENT,
     SECONDS,
+    WITHOUT_UNSTABLE,
     Column,
     Row,
     accuracy_column,
     in_points,
     markdown_table,
     mean_std_points,
+    seeds_column,
     slope_column,
     uplink_column,
 )
 
 
-def seeds_column(result: dict[str, Any]) -> str:
-    """A table's seeds column for a row or an ablation: how many finished, and the seeds it
-    diverged on (a row's: the seeds that collapsed too)."""
-    diverged = result["diverged_seeds"]
-    collapsed = [s for s in result.get("unstable_seeds", []) if s not in diverged]
-    return (str(result["seeds"]) + (f", diverged on {seeds_named(diverged)}" if diverged else "")
-            + (f", collapsed on {seeds_named(collapsed)}" if collapsed else ""))
-
-
 def _configuration(row: Row) -> str:
     return (f"{row['config']} ({len(row['grid'])})" if row["tuned"]
             else f"{row['config']} (not tuned yet)")
-
-
-def _without_unstable(row: Row) -> str:
-    if not row["unstable_seeds"]:
-        return "-"
-    return "none" if row["accuracy_stable"] is None else mean_std_points(row["accuracy_stable"])
 
 
 def _at_base(row: Row) -> str:
@@ -53,7 +40,7 @@ ROW_COLUMNS = [
     Column("chosen configuration (of searched)", _configuration),
     Column("seeds, unstable", seeds_column),
     accuracy_column("accuracy, last 5 rounds (points, mean ± std)"),
-    Column("without unstable seeds", _without_unstable),
+    WITHOUT_UNSTABLE,
     Column("at base rounds", _at_base),
     Column("task accuracy (points)", lambda row: mean_std_points(row["accuracy_task"])
            if "accuracy_task" in row else "-"),
