@@ -80,8 +80,9 @@ class Row:
     grid: list[dict[str, Any]]  # overrides per configuration (one: nothing to tune)
 
 
-# what every row of a comparison shares: its training budget
-EQUAL_BUDGET = {"num-server-rounds", "local-epochs"}
+# what every row of a comparison shares: its training budget (rounds, and a round's steps and
+# clients: a smaller batch takes more steps an epoch)
+EQUAL_BUDGET = {"num-server-rounds", "local-epochs", "batch-size", "fraction-train"}
 
 
 def parse_row(entry: str, defaults: dict[str, Any], lr_grid: Sequence[float]) -> Row:
@@ -98,7 +99,8 @@ def parse_row(entry: str, defaults: dict[str, Any], lr_grid: Sequence[float]) ->
                       for v in values.split("|")]
     for budget in EQUAL_BUDGET & set(axes):
         raise ConfigError(f"{entry!r}: {budget} is the same for every row (rows compared with "
-                          f"each other train the same rounds and local epochs): set it as "
+                          f"each other train the same rounds, local epochs, batch size and "
+                          f"clients a round): set it as "
                           f"the command's {budget}=N")
     if lr_grid and "lr" not in axes:
         axes["lr"] = list(lr_grid)

@@ -59,6 +59,7 @@ def test_a_row_is_a_method_its_overrides_and_the_grid_of_its_value_lists():
     # rows compared with each other train the same rounds and local epochs
     (["--methods", "fedavg,fedper:local-epochs=3"], "local-epochs is the same for every row"),
     (["--methods", "fedavg:num-server-rounds=5|10"], "num-server-rounds is the same for every"),
+    (["--methods", "fedavg,local:batch-size=8"], "batch-size is the same for every row"),
     # the split drawn for every seed before any run: 1,797 digits over 1,000 clients (at
     # least 0 each: min-partition-size is capped at half an even share)
     (["--methods", "fedavg", "--seeds", "1,2", "--supernodes", "1000"],
