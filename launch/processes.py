@@ -94,18 +94,23 @@ def process_table() -> dict[int, ProcessInfo]:
     return table
 
 
-def group_alive(group: int) -> bool:
-    """Whether a process of ``group`` still runs (a zombie, one that exited but is not yet
-    reaped by its parent, does not)."""
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    if not Path("/proc/self/stat").exists():
-        return True  # kill's answer stands
-    return any(info.group == group and info.running for info in process_table().values())
+def alive_groups(groups: set[int]) -> set[int]:
+    """Those of ``groups`` in which a process still runs (a zombie, one that exited but is not
+    yet reaped by its parent, does not): one read of ``/proc`` for all of them."""
+    signalled, not_ours = set(), set()  # not ours: kill may not ask, so counted alive
+    for group in groups:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            not_ours.add(group)
+            continue
+        signalled.add(group)
+    if not signalled or not Path("/proc/self/stat").exists():
+        return signalled | not_ours  # kill's answer stands
+    running = {info.group for info in process_table().values() if info.running}
+    return (signalled & running) | not_ours
 
 
 def descendants(pid: int) -> dict[int, int]:
@@ -152,7 +157,7 @@ def stop_process_groups(process: subprocess.Popen, term_wait: float,
             continue
         # the other groups' processes exit on SIGTERM within a second
         deadline = time.monotonic() + 1
-        while (groups := {g for g in groups if group_alive(g)}) and (
+        while (groups := alive_groups(groups)) and (
                 time.monotonic() < deadline):
             time.sleep(0.05)
         if not groups:
@@ -169,7 +174,7 @@ def stop_groups_of(pids: set[int], wait: float = 10) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, sig)
         deadline = time.monotonic() + wait
-        while (groups := {g for g in groups if group_alive(g)}) and time.monotonic() < deadline:
+        while (groups := alive_groups(groups)) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
