@@ -1,7 +1,9 @@
 """Does today's code reproduce the evidence matrix's stored cells? One stored report cell per
-method (Dirichlet 0.1 unless ``--scenario`` names another, seed 1 unless ``--seed``, its stored
-configuration) runs again with its stored run config, and its per-round accuracy and uplink
-are compared with the stored ones, exactly.
+method (Dirichlet 0.1 unless ``--scenario`` names another, seed 1 unless ``--seed``) runs again
+as it ran: its resolved run config (the app's defaults of then) on its number of clients; its
+per-round accuracy and uplink are compared with the stored ones, exactly. Where today's
+matrix would run that cell differently (a default or the row's protocol changed since), the
+table says how: the re-run is a replay of the stored run, not today's cell.
 
     python bench/reproduce.py                    # every method of the Dirichlet 0.1 scenario
     python bench/reproduce.py --only fedavg,fedfac
@@ -36,25 +38,13 @@ COMPARED = ("accuracy_per_round", "mb_up_per_round", "accuracy_weighted", "mb_up
 def stored_cell(scenario: str, label: str, seed: int = SEED, here: str = "",
                 stage: str = "report", results: Path = RESULTS) -> dict | None:
     """The stored ``stage`` cell of ``label`` and ``seed`` to re-run, if any: one stored on
-    ``here`` (``numerics``) first, then the one of fewest rounds. Read as stored, even where
-    the app gained a setting since (``changed_since``): whether its default keeps the stored
-    run is what the re-run tells."""
+    ``here`` (``numerics``) first, then the one of fewest rounds."""
     folder = cell_path(results, scenario, label, stage, {}, seed).parent
     cells = [json.loads(path.read_text())
              for path in sorted(folder.glob(f"{stage}-*-seed{seed}.json"))]
     cells.sort(key=lambda cell: (cell.get("numerics") != here,
                                  cell["run_config"]["num-server-rounds"]))
     return cells[0] if cells else None
-
-
-def changed_since(stored: dict, fresh: dict | None) -> str:
-    """The run-config keys whose values the re-run's cell has and the stored one had not
-    (a setting added since, at its default), ``key=value`` each; the output folder aside."""
-    if fresh is None:
-        return ""
-    old, new = stored["run_config"], fresh["run_config"]
-    return ", ".join(f"{k}={new[k]}" for k in sorted(new)
-                     if k != "output-dir" and old.get(k) != new[k])
 
 
 def shown(cell: dict | None) -> str:
@@ -112,13 +102,11 @@ def main() -> None:
             stored = stored_cell(scenario, item.label, args.seed, here, args.stage)
             if stored is None:
                 continue
-            config = stored["config"]
-            fresh = fresh_matrix.cell(scenario, item, args.stage, config, args.seed)
+            fresh, today = fresh_matrix.replay(stored)
             same = same_run(stored, fresh)
             stored_on = stored.get("numerics", "not recorded")
-            since = changed_since(stored, fresh)
-            lines.append(f"| {item.label} | {json.dumps(config)}"
-                         + (f" (run config since: {since})" if since else "")
+            lines.append(f"| {item.label} | {json.dumps(stored['config'])}"
+                         + (f" (today's matrix runs it with {today})" if today else "")
                          + f" | {shown(stored)} | "
                          f"{stored_on} | {shown(fresh)} | {verdict(same, stored_on, here)} |")
             print(lines[-1], flush=True)
@@ -126,9 +114,9 @@ def main() -> None:
             f"re-run on "
             f"{here}. Identical: the per-round accuracy and uplink and the final ones are "
             "equal to the last bit; a cell stored on another CPU (its `numerics`, where it "
-            "recorded them) is not expected to be (`bench/README.md`, reproducibility). A setting "
-            "the app gained since the cell was stored is named with the default the re-run "
-            "used.\n\n"
+            "recorded them) is not expected to be (`bench/README.md`, reproducibility). Each "
+            "cell re-runs as it ran (its resolved run config); where today's matrix would run it "
+            "with other settings, they are named.\n\n"
             + "\n".join(lines) + "\n")
     command = "python bench/reproduce.py" + "".join(
         f" --{k} {v}" for k, v in (("scenario", scenario), ("only", args.only),
