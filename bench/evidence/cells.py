@@ -136,8 +136,10 @@ class Matrix:
         then = {**stored["resolved_config"], "output-dir": str(out)}
         today = self.store.resolved(self.run_config(
             scenario, row_entry(scenario, label), stage, config, seed, out))
-        differs = ", ".join(f"{k}={today.get(k)}" for k in sorted(set(today) | set(then))
-                            if k != "output-dir" and today.get(k) != then.get(k))
+        # a setting the app gained since runs at today's default in the replay too
+        replayed = self.store.resolved(then)
+        differs = ", ".join(f"{k}={today.get(k)}" for k in sorted(set(today) | set(replayed))
+                            if k != "output-dir" and today.get(k) != replayed.get(k))
         entry = self.store.get(
             path, then, name=f"{scenario} {label} {config_tag(config)} seed {seed}",
             about={k: stored[k] for k in ("scenario", "label", "stage", "config", "seed")},
