@@ -34,9 +34,9 @@ def bundle_files(app_dir: str | Path, into: Path) -> Path:
     """A copy, in ``into``, of what ``flwr run APP`` bundles: ``pyproject.toml`` and the files
     its ``fab-include`` patterns match; ``app_dir`` itself when it declares none.
 
-    Flower 1.41's ``flwr run`` walks every file under the app folder before it filters them,
-    ``.venv`` included: 3.7 s of a 25 s demo run on this checkout, for a 0.3 MB bundle. The
-    bundle built from the copy is the same."""
+    Flower 1.41's and 1.42's ``flwr run`` walks every file under the app folder before it
+    filters them, ``.venv`` included: 3.7 s of a 25 s demo run on this checkout, for a 0.3 MB
+    bundle. The bundle built from the copy is the same."""
     app_dir = Path(app_dir)
     patterns = _pyproject(app_dir).get("tool", {}).get("flwr", {}).get("app", {}).get(
         "fab-include")

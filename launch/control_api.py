@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launch.run_output import RESULTS_WRITTEN, is_noise
+from launch.run_output import RESULTS_WRITTEN, Echo
 
 
 def list_runs(control: Any, run_id: str | None) -> list[dict[str, str]]:
@@ -130,11 +130,12 @@ class LogStream:
 
         try:
             with self.control_client() as control:
+                echo = Echo()
                 for response in control.StreamLogs(
                         StreamLogsRequest(run_id=int(self.run_id), after_timestamp=0.0)):
                     for line in response.log_output.splitlines(keepends=True):
                         self.lines.append(line)
-                        if self.echo and not is_noise(line):
+                        if echo.shows(line) and self.echo:
                             print(line, end="", flush=True)
                         if RESULTS_WRITTEN in line:
                             self.on_results()

@@ -87,7 +87,7 @@ class LocalFederation:
     def env(self) -> dict[str, str]:
         bin_dir = str(Path(sys.executable).parent)
         # Ray's own variable: ray.init() in flwr-simulation, called without an address, joins
-        # the cluster it names (Flower 1.41 has no backend option for the address).
+        # the cluster it names (Flower 1.42 has no backend option for the address).
         ray_env = {"RAY_ADDRESS": self.ray_address} if self.ray_address is not None else {}
         inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
         path_env = ({"PYTHONPATH": os.pathsep.join([*self.pythonpath, *inherited])}

@@ -69,9 +69,31 @@ EMPTY_LOG_LINE = re.compile(r"^(\x1b\[\d+m)?INFO (\x1b\[0m)?:\s*$")
 RAY_GPU_TIP = "ignore:Tip:FutureWarning:ray._private.worker"
 
 
+# A line a Ray worker printed, forwarded by the driver: "(pid=N) ..." or
+# "(ClientAppActor pid=N) ...", coloured or not
+RAY_WORKER_LINE = re.compile(r"^(?:\x1b\[[\d;]*m)*\((?:[\w.]+ )?pid=\d+\)")
+
+
 def is_noise(line: str) -> bool:
     """A line of a run's stream that the echo leaves out (``FLOWER_NOISE``)."""
     return any(noise in line for noise in FLOWER_NOISE) or bool(EMPTY_LOG_LINE.match(line))
+
+
+class Echo:
+    """Which lines of a run's stream the echo shows, in the order they come: not Flower's and
+    Ray's notices (``is_noise``), and, once the ServerApp has written its results, not what
+    Ray's workers print as Flower terminates them (a worker killed mid-call can abort with a
+    C++ stack, "Mutex corrupt ... SIGABRT": the run's work is done, and nothing in it is a
+    user's to act on). Every line stays in the run's output and its flower.log."""
+
+    def __init__(self) -> None:
+        self.results_written = False
+
+    def shows(self, line: str) -> bool:
+        shown = not is_noise(line) and not (
+            self.results_written and RAY_WORKER_LINE.match(line))
+        self.results_written = self.results_written or RESULTS_WRITTEN in line
+        return shown
 
 
 def save_run_log(output: str) -> Path | None:

@@ -1,5 +1,5 @@
 """The launchers hand ``flwr run`` a copy of what it bundles (``launch.app_project.bundle_files``)
-instead of the checkout, whose ``.venv`` Flower 1.41 walks file by file before filtering: the
+instead of the checkout, whose ``.venv`` Flower 1.42 walks file by file before filtering: the
 bundle built from the copy is the one built from the checkout, byte for byte."""
 
 from __future__ import annotations

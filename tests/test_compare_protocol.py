@@ -7,42 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
 from launch.compare import main, seed_list
-from launch.federation import FlowerRun
-
-
-class _ScriptedFederation:
-    """Each run writes the results.json of a completed run whose accuracy ``script`` gives
-    for its run config (None: the run fails), and is remembered. A run has 2 rounds, and its
-    first is the opposite of its second (1 - the accuracy): a figure, a choice or a printed
-    line that read round 1, the first quarter of the run, would show it."""
-
-    def __init__(self, script) -> None:
-        self.script = script
-        self.runs: list[dict] = []
-
-    def flwr_run(self, app: Path, run_config: dict, federation_config: dict,
-                 timeout: float) -> FlowerRun:
-        self.runs.append(run_config)
-        accuracy = self.script(run_config)
-        if accuracy is None:
-            return FlowerRun(1, "the scripted run failed", None, "", "scripted")
-        figures = {"accuracy_weighted": accuracy, "accuracy_mean": accuracy,
-                   "accuracy_min": accuracy}
-        first = {k: 1 - v for k, v in figures.items()}
-        rounds = [{"round": r, "eval": f, "bytes_up": 1024}
-                  for r, f in ((1, first), (2, figures))]
-        out = Path(run_config["output-dir"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({
-            "status": "completed", "rounds": rounds,
-            "evaluated_on": "validation" if run_config.get("validation-fraction") else "test",
-            "final": {**figures, "bytes_up_total": 2048, "seconds_total": 1.0}}))
-        return FlowerRun(0, "", "1", "finished:completed")
+from tests.scripted_federation import ScriptedFederation
 
 
 def _script(config: dict) -> float | None:
@@ -62,10 +31,18 @@ def _script(config: dict) -> float | None:
     return (0.70 if method == "fedavg" else 0.75 if lr == 0.1 else 0.95) + 0.001 * seed
 
 
+def _curve(config: dict) -> list[float] | None:
+    """A run has 2 rounds, its second at the accuracy ``_script`` gives (None: the run fails),
+    and its first is the opposite of its second (1 - the accuracy): a figure, a choice or a
+    printed line that read round 1, the first quarter of the run, would show it."""
+    accuracy = _script(config)
+    return None if accuracy is None else [1 - accuracy, accuracy]
+
+
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "out"
-    federation = _ScriptedFederation(_script)
+    federation = ScriptedFederation(_curve)
     argv = ["--methods",
             "fedavg,local:lr=0.01|0.1,fedper:lr=0.01|0.1,fedbn:lr=0.01|0.1,fedprox",
             "--seeds", "1,2,3",
@@ -107,7 +84,7 @@ def test_failed_runs_are_listed_rows_without_a_tuning_or_report_run_left_out_exi
 
 
 def test_unequal_budgets_are_said_before_anything_runs(tmp_path, capsys):
-    federation = _ScriptedFederation(_script)
+    federation = ScriptedFederation(_curve)
     main(["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1", "--supernodes", "2",
           "--out", str(tmp_path / "out"), "num-server-rounds=2"], federation=federation)
     said = capsys.readouterr().out
@@ -124,7 +101,7 @@ def test_each_runs_line_shows_the_reports_figure_in_points(tmp_path, capsys):
     in points as the report: not its final round's fraction."""
     out = tmp_path / "out"
     main(["--methods", "fedavg,local:lr=0.01|0.1", "--seeds", "1,2", "--supernodes", "2",
-          "--out", str(out), "num-server-rounds=2"], federation=_ScriptedFederation(_script))
+          "--out", str(out), "num-server-rounds=2"], federation=ScriptedFederation(_curve))
     said = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     for seed in (1, 2):
@@ -155,7 +132,7 @@ def test_summary_json_is_in_fractions_and_says_so_and_records_the_clients(script
 
 def test_a_tuning_seed_among_the_report_seeds_is_refused_only_where_a_row_has_a_grid(
         tmp_path):
-    federation = _ScriptedFederation(_script)
+    federation = ScriptedFederation(_curve)
     assert main(["--methods", "fedavg,local", "--seeds", "0,1", "--supernodes", "2", "--out",
                  str(tmp_path / "out"), "num-server-rounds=2"], federation=federation) == 0
     assert [r["seed"] for r in federation.runs] == [0, 1, 0, 1]
@@ -165,7 +142,7 @@ def test_a_folder_of_runs_with_another_number_of_clients_is_refused(tmp_path, ca
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "clients.json").write_text(json.dumps({"supernodes": 3}))
     assert main(["--methods", "fedavg", "--supernodes", "2", "--out",
-                 str(tmp_path / "out")], federation=_ScriptedFederation(_script)) == 2
+                 str(tmp_path / "out")], federation=ScriptedFederation(_curve)) == 2
     assert "holds runs with 3 clients (another split of the data)" in capsys.readouterr().err
 
 

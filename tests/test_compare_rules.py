@@ -16,44 +16,12 @@ from scipy import stats
 
 from comparison.multiplicity import holm
 from launch.compare import main
-from launch.federation import FlowerRun
-
-DIVERGED = "round 3: no training update was accepted, 3 dropped as not finite: the run diverged"
-
-
-class _CurveFederation:
-    """Each run writes the results.json of a run whose weighted accuracy per round is
-    ``script(method, seed)``'s curve (every round evaluated), or of a run that diverged
-    (``"diverged"``); every run is remembered."""
-
-    def __init__(self, script) -> None:
-        self.script = script
-        self.runs: list[dict] = []
-
-    def flwr_run(self, app: Path, run_config: dict, federation_config: dict,
-                 timeout: float) -> FlowerRun:
-        self.runs.append(run_config)
-        curve = self.script(run_config["method"], run_config["seed"])
-        out = Path(run_config["output-dir"])
-        out.mkdir(parents=True, exist_ok=True)
-        if curve == "diverged":
-            (out / "results.json").write_text(json.dumps(
-                {"status": "failed", "reason": DIVERGED, "rounds": []}))
-            return FlowerRun(0, "", "1", "finished:failed", DIVERGED)
-        rounds = [{"round": r, "bytes_up": 1024,
-                   "eval": {"accuracy_weighted": a, "accuracy_mean": a, "accuracy_min": a}}
-                  for r, a in enumerate(curve, 1)]
-        (out / "results.json").write_text(json.dumps({
-            "status": "completed", "rounds": rounds, "evaluated_on": "test",
-            "final": {"accuracy_weighted": curve[-1], "accuracy_mean": curve[-1],
-                      "accuracy_min": curve[-1], "bytes_up_total": 10240,
-                      "seconds_total": 1.0}}))
-        return FlowerRun(0, "", "1", "finished:completed")
+from tests.scripted_federation import ScriptedFederation
 
 
 def _compare(tmp_path: Path, script, methods: str, seeds: str, *more: str
-             ) -> tuple[int, dict, str, _CurveFederation]:
-    federation = _CurveFederation(script)
+             ) -> tuple[int, dict, str, ScriptedFederation]:
+    federation = ScriptedFederation(script)
     out = tmp_path / "out"
     code = main(["--methods", methods, "--seeds", seeds, "--supernodes", "2", "--out",
                  str(out), *more, "num-server-rounds=10"], federation=federation)
@@ -65,10 +33,11 @@ def _line(report: str, label: str) -> str:
     return next(line for line in report.splitlines() if line.startswith(f"| {label} |"))
 
 
-def _rules_script(method: str, seed: int) -> list[float] | str:
+def _rules_script(run_config: dict) -> list[float] | str:
     """fedavg (the reference) is low on seed 2; fedprox and fedper are steadily half a point
     above it, but fedprox's seed 2 collapses there from 95 (its figure, 40.5, under half its
     best 5 rounds); local diverges on seed 3."""
+    method, seed = run_config["method"], run_config["seed"]
     base = 0.40 if seed == 2 else 0.70 + 0.001 * seed
     if method == "fedavg":
         return [base] * 10
@@ -124,7 +93,7 @@ def test_a_row_with_an_unstable_seed_names_it_shows_its_mean_without_it_and_is_n
     assert record["status"] == "diverged" and "not finite" in record["reason"]
     assert "Unstable seed: a report seed that diverged, or collapsed" in report
     assert len(federation.runs) == 12
-    again = _CurveFederation(_rules_script)
+    again = ScriptedFederation(_rules_script)
     assert main(["--methods", "fedavg,fedprox,fedper,local", "--seeds", "1,2,3",
                  "--supernodes", "2", "--out", str(tmp_path / "out"),
                  "num-server-rounds=10"], federation=again) == 0
@@ -142,7 +111,8 @@ def _at_p(p: float) -> list[float]:
     return [-0.01 + stats.t.isf(p, len(SHIFT) - 1) * se + s for s in SHIFT]
 
 
-def _holm_script(method: str, seed: int) -> list[float]:
+def _holm_script(run_config: dict) -> list[float]:
+    method, seed = run_config["method"], run_config["seed"]
     return [0.7 + (_at_p(P_VALUES[method])[seed - 1] if method in P_VALUES else 0.0)] * 10
 
 
@@ -194,7 +164,7 @@ def test_holm_counts_a_claim_that_cannot_hold_in_its_family():
 @pytest.mark.parametrize("primary", ["nosuchrow", "fedprox,fedavg"])
 def test_primary_names_rows_compared_with_the_reference_or_exits_2_with_one_line(
         tmp_path, capsys, primary):
-    federation = _CurveFederation(_holm_script)
+    federation = ScriptedFederation(_holm_script)
     assert main(["--methods", "fedavg,fedprox", "--primary", primary, "--supernodes", "2",
                  "--out", str(tmp_path / "out"), "num-server-rounds=10"],
                 federation=federation) == 2

@@ -233,7 +233,7 @@ def test_the_loopback_recipe_runs_as_written(tmp_path, forkserver):
     """The deployment page's recipe without Docker, pasted into bash in a copy of the app, with
     ``SITES=2`` (its default is 3; two show the same): every site trains and evaluates every
     round, results land where it says, and its last line, ``kill $PIDS``, leaves nothing of
-    the deployment behind within 5 s: no process (the SuperLink, the SuperNodes, the
+    the deployment behind within 10 s: no process (the SuperLink, the SuperNodes, the
     SuperExecs they started, the sites' fork servers and what they forked) and none of the
     fork servers' folders. The recipe's commands run as written: its sites are
     ``pflower-supernode``s, each forking its SuperExec and ClientApps from a fork server of
@@ -264,10 +264,11 @@ def test_the_loopback_recipe_runs_as_written(tmp_path, forkserver):
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-        # `kill $PIDS` was the recipe's last command: from its end, 5 s for everything
+        # `kill $PIDS` was the recipe's last command: from its end, 10 s for everything
         # the deployment started to be gone (the sites' SuperExecs would otherwise outlive
-        # their SuperNodes by up to 20 s, and the fork servers' folders stay)
-        left = _left_behind(home, app_dir, tmpdir, within=5.0)
+        # their SuperNodes by up to 20 s, and the fork servers' folders stay); a site's fork
+        # server was still there after 5 s once in CI, with three test workers on 2 cores
+        left = _left_behind(home, app_dir, tmpdir, within=10.0)
         output = log.read_text()
         assert process.returncode == 0, output[-3000:]
         assert "[final] wrote to outputs/loopback: results.json, results.png, checkpoint.npz\n" \

@@ -1,5 +1,5 @@
 """The exchange (strategies/engine/exchange.py) against a SuperLink that is busy: its pulls
-answered with HTTP 500 for a while, as Flower 1.41's SuperLink answers when its SQLite store
+answered with HTTP 500 for a while, as Flower 1.42's SuperLink answers when its SQLite store
 stays locked past the busy timeout on a loaded machine ("database is locked")."""
 
 from __future__ import annotations

@@ -271,6 +271,31 @@ def test_reproduce_calls_a_difference_a_regression_only_on_the_machine_that_stor
     assert verdict(False, "not recorded", here) == "no (where it was stored is not recorded)"
 
 
+def test_reproduce_reruns_the_stored_cell_of_the_stage_asked_for_stored_here_first(tmp_path):
+    from bench.evidence.protocol import cell_path
+    from bench.reproduce import stored_cell
+
+    here, elsewhere = "Xeon (AVX512 kernels)", "Epyc (AVX2 kernels)"
+    stored = (("report", {"lr": 0.1}, 40, elsewhere),
+              ("report", {"lr": 0.2, "num-server-rounds": 160}, 160, here),
+              ("report", {"lr": 0.3, "num-server-rounds": 80}, 80, here),
+              ("ablation", {"lr": 0.2, "fedfac.mode": "static"}, 40, here))
+    for stage, config, rounds, numerics in stored:
+        path = cell_path(tmp_path, "cross-device", "fedfac@dynamic", stage, config, 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"config": config, "numerics": numerics,
+                                    "run_config": {"num-server-rounds": rounds}}))
+
+    def chosen(**kwargs):
+        cell = stored_cell("cross-device", "fedfac@dynamic", results=tmp_path, **kwargs)
+        return cell and cell["config"]
+
+    assert chosen(here=here) == {"lr": 0.3, "num-server-rounds": 80}
+    assert chosen(here="another machine") == {"lr": 0.1}
+    assert chosen(here=here, stage="ablation") == {"lr": 0.2, "fedfac.mode": "static"}
+    assert chosen(here=here, seed=2) is None
+
+
 def test_reproduce_compares_a_diverged_cell_by_its_reason():
     from bench.reproduce import same_run, shown
 

@@ -1,7 +1,8 @@
 """Protocol v4's cells (bench/evidence/cells.py, rounds.py, bench/matrix.py): one round count a
 scenario, fixed on the tuning runs' validation curves before any report seed runs; every row
 at it on every report seed, read at the base rounds too; v3's cells taken over where their run
-is unchanged; mu's density carried by a Factorized-FL cell; v4 kept apart from v3."""
+is unchanged; mu's density carried by a Factorized-FL cell; v4 kept apart from v3; a stored
+cell replayed as it ran (bench/reproduce.py)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ MB = 1024**2
 class _CurveFederation:
     """Every run completes with the curve ``curve(run_config)`` gives it (a tuning run's on
     validation), written as the app writes results.json (the parts a cell reads); the output
-    folders asked for are kept in ``asked``; ``final``: more of results.json's ``final``."""
+    folders asked for are kept in ``asked``, the last run's config and number of SuperNodes in
+    ``last``; ``final``: more of results.json's ``final``."""
 
     def __init__(self, curve, final: dict | None = None) -> None:
         self.curve, self.final, self.asked = curve, final or {}, []
+        self.last: tuple[dict, int] | None = None
 
     def run(self, app: Path, run_config: dict, num_supernodes: int, gpus_per_client: float,
             timeout: float) -> FlowerRun:
         out = Path(run_config["output-dir"])
         out.mkdir(parents=True, exist_ok=True)
         self.asked.append(out.name)
+        self.last = (run_config, num_supernodes)
         curve = self.curve(run_config)
         rounds = [{"round": r, "bytes_up": MB, "eval": {
             "accuracy_weighted": a, "accuracy_min": a, "accuracy_mean": a}}
@@ -211,6 +215,33 @@ def test_a_factorized_fl_report_cell_is_run_here_for_its_density_even_where_a_ce
     for seed in (1, 2):
         cell = v4.cell(scenario, item, "report", {"lr": 0.03}, seed)
         assert "reused_from" not in cell and cell["mu_density"] == 0.25, seed
+
+
+def test_a_stored_cell_is_replayed_as_it_ran_and_what_today_would_change_is_named(tmp_path,
+                                                                                 monkeypatch):
+    """bench/reproduce.py's re-run of a cell stored before its row changed (v3's Factorized-FL
+    ran the app's default mu-init, v4's row sets zeros): its own resolved config runs, on its
+    own number of clients, not today's row; today's change is named (not a setting the app
+    gained since, which the replay runs at today's default too); a replay is stored."""
+    scenario = "permuted-labels"
+    only_rows(monkeypatch, "factorized-fl", scenario=scenario)
+    item = SCENARIOS[scenario].entries[0]
+    federation = _CurveFederation(_curve)
+    matrix = Matrix(federation, COMMON_DIGITS, tmp_path, num_clients=3)
+    today = matrix.store.resolved(matrix.run_config(scenario, item, "report", {"lr": 0.03}, 1,
+                                                    tmp_path))
+    assert today["factorized-fl.mu-init"] == "zeros"
+    # stored before the app had tuning-share: today's default replays it, no difference
+    then = {k: v for k, v in today.items() if k != "tuning-share"}
+    stored = {"scenario": scenario, "label": item.label, "stage": "report",
+              "config": {"lr": 0.03}, "seed": 1, "num_clients": 2,
+              "resolved_config": {**then, "factorized-fl.mu-init": "xavier"}}
+    cell, differs = matrix.replay(stored)
+    ran, supernodes = federation.last
+    assert (ran["factorized-fl.mu-init"], supernodes) == ("xavier", 2)
+    assert differs == "factorized-fl.mu-init=zeros"
+    assert cell["num_clients"] == 2 and cell["accuracy_per_round"][0] == 0.3
+    assert matrix.replay(stored) == (cell, differs) and len(federation.asked) == 1
 
 
 def test_v4_is_written_apart_and_write_only_without_v4_cells_writes_nothing(tmp_path,

@@ -3,7 +3,7 @@ user cannot act on left out of the echo, and the whole stream saved beside the r
 
 from __future__ import annotations
 
-from launch.run_output import RUN_LOG, is_noise, save_run_log
+from launch.run_output import RUN_LOG, Echo, is_noise, save_run_log
 
 
 def test_flowers_notices_and_empty_log_lines_are_left_out_of_the_echo():
@@ -12,6 +12,20 @@ def test_flowers_notices_and_empty_log_lines_are_left_out_of_the_echo():
     assert is_noise("INFO :      Successfully installed pflower to /tmp/x")
     assert not is_noise("INFO :      [round 1/3] training")
     assert not is_noise("")  # a blank line of the run's own
+
+
+def test_what_ray_workers_print_once_the_results_are_written_is_left_out_of_the_echo():
+    """A worker killed as Flower terminates its actors can abort with a C++ stack (seen in a
+    clean run of the demo); before the results are written a worker's line is the run's."""
+    stream = ["\x1b[36m(ClientAppActor pid=7) \x1b[0mpflower: warning: client 3 has no data\n",
+              "INFO :      [final] wrote to outputs/x: results.json\n",
+              "INFO :      Manually terminating ClientAppActor\n",
+              "(pid=26443) [mutex.cc : 452] RAW: Lock blocking 0x560a1da8d200\n",
+              "\x1b[36m(pid=26443)\x1b[0m *** SIGABRT received at time=1796667213 on cpu 1 ***\n",
+              "(ClientAppActor pid=26444) Fatal Python error: Aborted\n",
+              "INFO :      a line of Flower's own after the results\n"]
+    echo = Echo()
+    assert [line for line in stream if echo.shows(line)] == [stream[0], stream[1], stream[-1]]
 
 
 def test_the_whole_stream_is_saved_in_the_folder_the_first_line_names(tmp_path):

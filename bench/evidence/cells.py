@@ -123,6 +123,30 @@ class Matrix:
                 path.write_text(json.dumps(entry, indent=1))
         return entry
 
+    def replay(self, stored: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """A stored cell run again as it ran: its resolved run config (the app's defaults of
+        then, not today's) on its number of clients, stored under this matrix's folder; and
+        what today's matrix would run differently for that cell (``key=value`` of today's
+        resolved config, each key whose value differs; empty where the cell is current)."""
+        scenario, label, stage = stored["scenario"], stored["label"], stored["stage"]
+        config, seed = stored["config"], stored["seed"]
+        path = cell_path(self.out, scenario, label, stage, config, seed, self.device)
+        cells = self.out / "matrix" / cells_folder(self.device)
+        out = self.runs / path.relative_to(cells).with_suffix("")
+        then = {**stored["resolved_config"], "output-dir": str(out)}
+        today = self.store.resolved(self.run_config(
+            scenario, row_entry(scenario, label), stage, config, seed, out))
+        # a setting the app gained since runs at today's default in the replay too
+        replayed = self.store.resolved(then)
+        differs = ", ".join(f"{k}={today.get(k)}" for k in sorted(set(today) | set(replayed))
+                            if k != "output-dir" and today.get(k) != replayed.get(k))
+        entry = self.store.get(
+            path, then, name=f"{scenario} {label} {config_tag(config)} seed {seed}",
+            about={k: stored[k] for k in ("scenario", "label", "stage", "config", "seed")},
+            context={"num_clients": stored["num_clients"]},
+            may_run=self.federation is not None, diverged_is_result=True)
+        return entry, differs
+
     def take_over(self, path: Path, relative: Path, run_config: dict[str, Any],
                   context: dict[str, Any]) -> None:
         """An earlier protocol's cell of the same run, copied to ``path`` (marked
