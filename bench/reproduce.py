@@ -111,12 +111,11 @@ def main() -> None:
                          f"{stored_on} | {shown(fresh)} | {verdict(same, stored_on, here)} |")
             print(lines[-1], flush=True)
     body = (f"Scenario {scenario}, seed {args.seed}, the stored {args.stage} cell of each row, "
-            f"re-run on "
-            f"{here}. Identical: the per-round accuracy and uplink and the final ones are "
-            "equal to the last bit; a cell stored on another CPU (its `numerics`, where it "
+            f"re-run on {here}. Identical: the per-round accuracy and uplink and the final ones "
+            "are equal to the last bit; a cell stored on another CPU (its `numerics`, where it "
             "recorded them) is not expected to be (`bench/README.md`, reproducibility). Each "
-            "cell re-runs as it ran (its resolved run config); where today's matrix would run it "
-            "with other settings, they are named.\n\n"
+            "cell re-runs as it ran (its resolved run config); where today's matrix would run "
+            "it with other settings, they are named.\n\n"
             + "\n".join(lines) + "\n")
     command = "python bench/reproduce.py" + "".join(
         f" --{k} {v}" for k, v in (("scenario", scenario), ("only", args.only),

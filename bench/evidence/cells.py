@@ -94,9 +94,7 @@ class Matrix:
         does not would report the lucky run. A report seed can diverge where a row runs a
         configuration chosen on another scenario (``searched_on``). A Factorized-FL cell run
         here carries mu's density where the run recorded it (``mechanism.MU_DENSITY``)."""
-        path = cell_path(self.out, scenario, item.label, stage, config, seed, self.device)
-        cells = self.out / "matrix" / cells_folder(self.device)
-        out = self.runs / path.relative_to(cells).with_suffix("")
+        path, out = self._where(scenario, item.label, stage, config, seed)
         run_config = self.run_config(scenario, item, stage, config, seed, out)
         context = {"num_clients": self.clients(scenario)}
         # not a privacy cell (the accountant changed since v3), nor a Factorized-FL report
@@ -130,9 +128,7 @@ class Matrix:
         resolved config, each key whose value differs; empty where the cell is current)."""
         scenario, label, stage = stored["scenario"], stored["label"], stored["stage"]
         config, seed = stored["config"], stored["seed"]
-        path = cell_path(self.out, scenario, label, stage, config, seed, self.device)
-        cells = self.out / "matrix" / cells_folder(self.device)
-        out = self.runs / path.relative_to(cells).with_suffix("")
+        path, out = self._where(scenario, label, stage, config, seed)
         then = {**stored["resolved_config"], "output-dir": str(out)}
         today = self.store.resolved(self.run_config(
             scenario, row_entry(scenario, label), stage, config, seed, out))
@@ -146,6 +142,13 @@ class Matrix:
             context={"num_clients": stored["num_clients"]},
             may_run=self.federation is not None, diverged_is_result=True)
         return entry, differs
+
+    def _where(self, scenario: str, label: str, stage: str, config: dict[str, Any],
+               seed: int) -> tuple[Path, Path]:
+        """A cell's file, and the output folder its run writes (under ``runs``)."""
+        path = cell_path(self.out, scenario, label, stage, config, seed, self.device)
+        cells = self.out / "matrix" / cells_folder(self.device)
+        return path, self.runs / path.relative_to(cells).with_suffix("")
 
     def take_over(self, path: Path, relative: Path, run_config: dict[str, Any],
                   context: dict[str, Any]) -> None:
