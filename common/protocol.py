@@ -181,6 +181,9 @@ class ClientReply:
 # What every reason a reply is dropped for a value that is not finite (a metric, an array)
 # says: how a comparison tells a run whose clients diverged from one that lost them otherwise.
 NOT_FINITE = "not finite"
+# What the reason a reply is dropped for not arriving within the round's wait says: how a
+# comparison tells a run the machine stalled in from one whose method lost the client
+NO_REPLY = "no reply within round-timeout"
 
 
 def _finite_number(name: str, value: object) -> float:

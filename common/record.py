@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from common.protocol import NOT_FINITE, client_order
+from common.protocol import NO_REPLY, NOT_FINITE, client_order
 
 
 @dataclass
@@ -95,6 +95,17 @@ def dropped_as_non_finite(drop: Mapping[str, Any], stage: str | None = None) -> 
     """Whether a ``dropped`` entry (``RoundRecord.dropped``) is a reply dropped because a
     value was not finite, at ``stage`` (``train`` or ``evaluate``; either where None)."""
     return NOT_FINITE in drop.get("reason", "") and stage in (None, drop.get("stage"))
+
+
+def lost_to_timeout(rounds: Sequence[Mapping[str, Any]]) -> str | None:
+    """From a run's round entries (``results.json``'s ``rounds``): the replies that did not
+    arrive within the round-timeout, in any round, as one line ("round r: N reply(ies) lost
+    (the reason)", r the first round that lost one); None where none was."""
+    for entry in rounds:
+        lost = [d for d in entry.get("dropped", []) if NO_REPLY in d.get("reason", "")]
+        if lost:
+            return f"round {entry['round']}: {len(lost)} reply(ies) lost ({lost[0]['reason']})"
+    return None
 
 
 def lost_to_non_finite(rounds: Sequence[Mapping[str, Any]], last_evaluated: int,

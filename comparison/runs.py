@@ -23,7 +23,13 @@ report seed of a configuration chosen on another scenario). A run diverged where
 losses or arrays stopped being finite: all of them (the run failed), or some of them in the
 rounds its figure is computed on, the last ``LAST_ROUNDS`` evaluated ones (the run
 completed, but its accuracy is over the clients that survived, once 1.0 over a single
-client).
+client). A run that lost a reply to the round-timeout, in any round (``lost_to_timeout``),
+failed too, whatever the caller counts as a result: every client of these runs is a
+simulated one on this machine, so a reply that did not come in time says the machine stalled
+(a benchmark paused while a test suite ran lost 3 evaluations so), not what the method does,
+and its figures would be over fewer clients or a model without their update. A reply lost to
+a client's error or refused by the server is the app's doing, the same on every try: the run
+stands (or diverged) as it ran.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from common.protocol import NOT_FINITE
-from common.record import lost_to_non_finite
+from common.record import lost_to_non_finite, lost_to_timeout
 from comparison.stats import LAST_ROUNDS, comparable_config, spent_privacy, summarize_run
 from comparison.table import in_points
 
@@ -129,9 +135,10 @@ class RunStore:
                  "wall_seconds": wall}
         results = read_results(out)
         reason = divergence(results, completed=run.ok)
-        if not run.ok or reason is not None:
-            if not diverged_is_result or reason is None:
-                why = reason or run.reason or run.status or "did not start"
+        lost = lost_to_timeout(results.get("rounds", []))
+        if not run.ok or reason is not None or lost is not None:
+            if not diverged_is_result or reason is None or lost is not None:
+                why = lost or reason or run.reason or run.status or "did not start"
                 self.failed.append(f"{name}: {why}")
                 if reason is None:  # a crash or a timeout: what the run printed says why
                     print(run.output[-3000:], file=sys.stderr)

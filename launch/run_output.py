@@ -72,6 +72,9 @@ RAY_GPU_TIP = "ignore:Tip:FutureWarning:ray._private.worker"
 # A line a Ray worker printed, forwarded by the driver: "(pid=N) ..." or
 # "(ClientAppActor pid=N) ...", coloured or not
 RAY_WORKER_LINE = re.compile(r"^(?:\x1b\[[\d;]*m)*\((?:[\w.]+ )?pid=\d+\)")
+# A line of a Ray worker that hosts no actor ("(pid=N) ..."): one of Ray's pooled workers,
+# which runs none of the run's code (Flower runs every ClientApp in a ``ClientAppActor``)
+RAY_POOLED_WORKER_LINE = re.compile(r"^(?:\x1b\[[\d;]*m)*\(pid=\d+\)")
 
 
 def is_noise(line: str) -> bool:
@@ -81,16 +84,19 @@ def is_noise(line: str) -> bool:
 
 class Echo:
     """Which lines of a run's stream the echo shows, in the order they come: not Flower's and
-    Ray's notices (``is_noise``), and, once the ServerApp has written its results, not what
-    Ray's workers print as Flower terminates them (a worker killed mid-call can abort with a
-    C++ stack, "Mutex corrupt ... SIGABRT": the run's work is done, and nothing in it is a
-    user's to act on). Every line stays in the run's output and its flower.log."""
+    Ray's notices (``is_noise``); not what Ray's pooled workers print, at any time (Ray stops
+    idle ones while a run goes on, and one stopped can abort with a C++ stack, "Mutex corrupt
+    ... SIGABRT", which reached a clean demo's echo in CI with only the next rule in place);
+    and, once the ServerApp has written its results, not what its actors print as Flower
+    terminates them (the same abort: the run's work is done).
+    An actor's line before the results is the run's, and shown. Every line stays in the
+    run's output and its flower.log."""
 
     def __init__(self) -> None:
         self.results_written = False
 
     def shows(self, line: str) -> bool:
-        shown = not is_noise(line) and not (
+        shown = not is_noise(line) and not RAY_POOLED_WORKER_LINE.match(line) and not (
             self.results_written and RAY_WORKER_LINE.match(line))
         self.results_written = self.results_written or RESULTS_WRITTEN in line
         return shown

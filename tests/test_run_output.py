@@ -28,6 +28,20 @@ def test_what_ray_workers_print_once_the_results_are_written_is_left_out_of_the_
     assert [line for line in stream if echo.shows(line)] == [stream[0], stream[1], stream[-1]]
 
 
+def test_what_rays_pooled_workers_print_is_left_out_of_the_echo_at_any_time():
+    """A worker hosting no actor runs none of the run's code; Ray stops idle ones mid-run, and
+    one can abort as it stops (the stack that reached a clean demo's echo in CI). An actor's
+    line before the results is the run's and stays."""
+    stream = ["INFO :      [round 1/3] training\n",
+              "(pid=7711) [mutex.cc : 452] RAW: Lock blocking 0x558d29cb4ed0\n",
+              "\x1b[36m(pid=7711)\x1b[0m *** SIGABRT received at time=1796678261 on cpu 0 ***\n",
+              "(pid=7711) Fatal Python error: Aborted\n",
+              "(ClientAppActor pid=7712) pflower: warning: client 3 has no data\n",
+              "INFO :      [round 2/3] training\n"]
+    echo = Echo()
+    assert [line for line in stream if echo.shows(line)] == [stream[0], stream[4], stream[5]]
+
+
 def test_the_whole_stream_is_saved_in_the_folder_the_first_line_names(tmp_path):
     output = (f"INFO :      [start] method fedavg on digits (cpu), results in {tmp_path}\n"
               "INFO :      [final] wrote to ...\n")

@@ -135,7 +135,8 @@ def _rounds(n: int, dropped: dict[int, list[dict[str, str]]]) -> dict[str, Any]:
 
 NAN = {"stage": "train", "client": "3", "reason": "metric 'train-loss' is not finite"}
 NAN_ARRAY = {"stage": "train", "client": "4", "reason": "'w' has values that are not finite"}
-LATE = {"stage": "evaluate", "client": "3", "reason": "no reply within round-timeout"}
+LATE = {"stage": "evaluate", "client": "3", "reason": "no reply within round-timeout (600 s)"}
+ERRED = {"stage": "train", "client": "3", "reason": "ClientAppException: ValueError: no data"}
 
 
 def test_a_run_that_lost_clients_to_non_finite_values_in_its_last_rounds_diverged(tmp_path):
@@ -152,11 +153,30 @@ def test_a_run_that_lost_clients_to_non_finite_values_in_its_last_rounds_diverge
     kept = store.get(record, config(tmp_path), name="z 1", diverged_is_result=True)
     assert kept["status"] == "diverged" and "accuracy_weighted" not in kept
     assert kept["privacy"]["epsilon"] == 110.0  # what it spent, diverged or not
-    # a client lost before the figure's rounds, or lost to a timeout, leaves a figure
-    for index, results in enumerate((_rounds(10, {5: [NAN]}), _rounds(10, {9: [LATE]}))):
+    # a client lost before the figure's rounds, or to its own error, leaves a figure
+    for index, results in enumerate((_rounds(10, {5: [NAN]}), _rounds(10, {9: [ERRED]}))):
         store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(results))
         got = store.get(tmp_path / f"other{index}.json", config(tmp_path), name="x")
         assert got["accuracy_weighted"] == 0.5 and store.failed == []
+
+
+def test_a_run_that_lost_a_reply_to_the_round_timeout_failed_in_any_round(tmp_path, capsys):
+    """The machine stalled (a benchmark paused while a test suite ran lost 3 evaluations to
+    the round-timeout), not the method: not stored, even where divergence is a result, and
+    tried again by the next invocation; a run that also diverged is no result either."""
+    for index, results in enumerate((_rounds(10, {2: [LATE, LATE]}),
+                                     _rounds(10, {4: [LATE], 9: [NAN]}))):
+        runner = WritingRunner(results)
+        store = RunStore(app_defaults(ROOT), REGISTRY, runner)
+        record = tmp_path / f"late{index}.json"
+        assert store.get(record, config(tmp_path), name="late", diverged_is_result=True) is None
+        assert not record.exists()
+        first = min(r["round"] for r in results["rounds"] if r.get("dropped"))
+        assert store.failed == [f"late: round {first}: {1 if index else 2} reply(ies) lost "
+                                f"({LATE['reason']})"]
+        assert "late: run failed (round" in capsys.readouterr().err
+        store.get(record, config(tmp_path), name="late")
+        assert runner.calls == 2
 
 
 def test_the_clients_lost_are_counted_over_the_window_and_by_stage():

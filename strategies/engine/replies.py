@@ -20,6 +20,7 @@ from flwr.app import Message
 
 from common.config import RunSettings
 from common.protocol import (
+    NO_REPLY,
     NOT_FINITE,
     ArraySpec,
     ClientReply,
@@ -139,7 +140,7 @@ def note_presence(ledger: RoundLedger, nodes: NodeDirectory, uplink_round: int |
     nodes.missed(missing)
     for node_id in missing:
         drop(node_id, nodes.client_of(node_id) or "?",
-             f"no reply within round-timeout ({timeout:.0f} s)")
+             f"{NO_REPLY} ({timeout:.0f} s)")
     nodes.answered(node for node, _ in batch.replies)
     if uplink_round is not None:
         for _, reply in batch.replies:
