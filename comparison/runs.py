@@ -138,7 +138,8 @@ class RunStore:
         lost = lost_to_timeout(results.get("rounds", []))
         if not run.ok or reason is not None or lost is not None:
             if not diverged_is_result or reason is None or lost is not None:
-                why = lost or reason or run.reason or run.status or "did not start"
+                ended = None if run.ok else (run.reason or run.status or "did not start")
+                why = "; ".join(w for w in (reason or ended, lost) if w)
                 self.failed.append(f"{name}: {why}")
                 if reason is None:  # a crash or a timeout: what the run printed says why
                     print(run.output[-3000:], file=sys.stderr)

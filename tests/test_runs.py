@@ -172,11 +172,19 @@ def test_a_run_that_lost_a_reply_to_the_round_timeout_failed_in_any_round(tmp_pa
         assert store.get(record, config(tmp_path), name="late", diverged_is_result=True) is None
         assert not record.exists()
         first = min(r["round"] for r in results["rounds"] if r.get("dropped"))
-        assert store.failed == [f"late: round {first}: {1 if index else 2} reply(ies) lost "
-                                f"({LATE['reason']})"]
+        assert store.failed[0].endswith(f"round {first}: {1 if index else 2} reply(ies) lost "
+                                        f"({LATE['reason']})")
+        assert ("not finite" in store.failed[0]) is bool(index)  # it diverged too: both said
         assert "late: run failed (round" in capsys.readouterr().err
         store.get(record, config(tmp_path), name="late")
         assert runner.calls == 2
+    # a run that did not end (its heartbeat lost in the same stall) says both
+    stalled = {**_rounds(3, {3: [LATE]}), "status": "running",
+               "reason": "No heartbeat received from the task"}
+    store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(stalled, ok=False))
+    assert store.get(tmp_path / "stalled.json", config(tmp_path), name="s") is None
+    assert store.failed == [f"s: No heartbeat received from the task; round 3: 1 reply(ies) "
+                            f"lost ({LATE['reason']})"]
 
 
 def test_the_clients_lost_are_counted_over_the_window_and_by_stage():
