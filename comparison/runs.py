@@ -141,8 +141,8 @@ class RunStore:
                 ended = None if run.ok else (run.reason or run.status or "did not start")
                 why = "; ".join(w for w in (reason or ended, lost) if w)
                 self.failed.append(f"{name}: {why}")
-                if reason is None:  # a crash or a timeout: what the run printed says why
-                    print(run.output[-3000:], file=sys.stderr)
+                if reason is None and not run.ok:  # a crash, or past the run's time limit:
+                    print(run.output[-3000:], file=sys.stderr)  # what it printed says why
                 print(f"{self.prefix}{name}: run failed ({why}); not stored, the next "
                       "invocation tries it again", file=sys.stderr, flush=True)
                 return None

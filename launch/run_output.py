@@ -88,9 +88,10 @@ class Echo:
     idle ones while a run goes on, and one stopped can abort with a C++ stack, "Mutex corrupt
     ... SIGABRT", which reached a clean demo's echo in CI with only the next rule in place);
     and, once the ServerApp has written its results, not what its actors print as Flower
-    terminates them (the same abort: the run's work is done).
-    An actor's line before the results is the run's, and shown. Every line stays in the
-    run's output and its flower.log."""
+    terminates them (the same abort: the run's work is done). A worker that crashes before it
+    hosts an actor is a pooled one too: the run's failure line says what failed. An actor's
+    line before the results is the run's, and shown. Every line stays in the run's output and
+    its flower.log."""
 
     def __init__(self) -> None:
         self.results_written = False
