@@ -136,19 +136,19 @@ class RunStore:
         results = read_results(out)
         reason = divergence(results, completed=run.ok)
         lost = lost_to_timeout(results.get("rounds", []))
-        if not run.ok or reason is not None or lost is not None:
-            if not diverged_is_result or reason is None or lost is not None:
-                ended = None if run.ok else (run.reason or run.status or "did not start")
-                why = "; ".join(w for w in (reason or ended, lost) if w)
-                self.failed.append(f"{name}: {why}")
-                if reason is None and not run.ok:  # a crash, or past the run's time limit:
-                    print(run.output[-3000:], file=sys.stderr)  # what it printed says why
-                print(f"{self.prefix}{name}: run failed ({why}); not stored, the next "
-                      "invocation tries it again", file=sys.stderr, flush=True)
-                return None
+        if lost is None and run.ok and reason is None:
+            entry.update(summarize_run(results))
+        elif lost is None and reason is not None and diverged_is_result:
             entry.update(status="diverged", reason=reason, **spent_privacy(results))
         else:
-            entry.update(summarize_run(results))
+            ended = None if run.ok else (run.reason or run.status or "did not start")
+            why = "; ".join(w for w in (reason or ended, lost) if w)
+            self.failed.append(f"{name}: {why}")
+            if reason is None and not run.ok:  # a crash, or past the run's time limit:
+                print(run.output[-3000:], file=sys.stderr)  # what it printed says why
+            print(f"{self.prefix}{name}: run failed ({why}); not stored, the next "
+                  "invocation tries it again", file=sys.stderr, flush=True)
+            return None
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(entry, indent=1))
         figures = (f"diverged ({entry['reason']})" if "reason" in entry else
