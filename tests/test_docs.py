@@ -93,6 +93,19 @@ def test_the_readme_is_a_map_of_at_most_180_lines_of_at_most_200_characters():
     assert long == [], long
 
 
+def test_the_readmes_benchmark_section_fits_a_screen_with_one_line_per_kind_of_data():
+    """At most 25 lines under its heading; a line per scenario of the evidence matrix, each a
+    bullet (``bench/evidence/pick.py``'s ``readme_lines`` writes them that way)."""
+    from bench.evidence.protocol import SCENARIOS
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Benchmarks\n", 1)[1].split("\n## ", 1)[0].strip("\n")
+    lines = section.splitlines()
+    assert len(lines) <= 25, f"the benchmark section has {len(lines)} lines"
+    bullets = [line for line in lines if line.startswith("- **")]
+    assert len(bullets) == len(SCENARIOS), bullets
+
+
 def test_the_loopback_recipe_is_on_the_deployment_page():
     """``tests/test_deployment_loopback.py`` runs the bash block under the marker in
     docs/deployment.md; the marker is there once, right above that block, and nowhere else."""

@@ -17,7 +17,7 @@ from bench.evidence.cells import Matrix
 from bench.evidence.claims import CLAIMS, PRIMARY, claim_line
 from bench.evidence.mechanism import mechanism_off
 from bench.evidence.multiplicity import holm
-from bench.evidence.pick import pick_lines, picks
+from bench.evidence.pick import README_LINE_CHARS, pick_lines, picks, readme_lines
 from bench.evidence.protocol import SCENARIOS
 from bench.evidence.stats import row_stats
 from comparison.multiplicity import interval, p_value
@@ -85,6 +85,22 @@ def test_the_pick_runs_the_best_stable_row_and_names_what_is_within_a_point_and_
     assert line.startswith(f"- **{SCENARIO}** (40 rounds): run **fedper** 80.0 ± 1.6, 1.00 MB "
                            "a round; also within 1 point: fedrep -0.5 [")
     assert "0.50 MB a round; avoid: fedavg-ft (unstable: seed 3" in line
+    # the README's line: the same picks, short; provisional while a row is missing
+    assert readme_lines({SCENARIO: pick}, stats) == (
+        f"- **{SCENARIO}** (provisional, 40 rounds): run **fedper** 80.0 (1.00 MB a round); "
+        "within 1 point: fedrep (0.50 MB); avoid: fedavg-ft, fedavg\n")
+    # too many rows for one line: the uplinks within a point go, then the rows to avoid past
+    # those that fit, counted
+    many = {**stats[SCENARIO], **{f"method-with-a-long-name-{k}": _row(
+        f"method-with-a-long-name-{k}", [b - 0.03 for b in best]) for k in range(8)}}
+    crowded = picks({SCENARIO: many})[SCENARIO]
+    crowded["missing"] = []  # every row in: no longer provisional
+    line = readme_lines({SCENARIO: crowded}, {SCENARIO: many}).rstrip("\n")
+    assert len(line) <= README_LINE_CHARS
+    assert line.startswith(f"- **{SCENARIO}** (40 rounds): run **fedper** 80.0 (1.00 MB a "
+                           "round); within 1 point: fedrep; avoid: fedavg-ft, fedavg, ")
+    shown = line.split("; avoid: ")[1].split(", ")
+    assert shown[-1] == f"+{len(crowded['avoid']) - len(shown) + 1} more"
     # every row unstable: nothing to run, and the line says so
     for r in stats[SCENARIO].values():
         r["unstable_seeds"], r["unstable_why"] = [5], {5: "diverged"}

@@ -15,7 +15,8 @@
 A row still missing report seeds, or one whose search or scenario rounds are not settled, is
 ``provisional``; a row without an interval against ``run`` (one common seed) is ``missing``.
 The report's "What to pick" gives one line per scenario, with each row's rounds and uplink a
-round.
+round; its "README lines" the same picks in at most ``README_LINE_CHARS`` characters a line, the
+README's benchmark section.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench.evidence.stats import flag, report_seeds_stats, uplink_per_round
 from comparison.stats import accuracy_difference, judge_difference, points, seeds_named
 
 MARGIN = -0.01  # one point, the claims' non-inferiority margin
+README_LINE_CHARS = 200  # the README's longest line (tests/test_docs.py)
 
 
 def picks(stats: dict[str, dict[str, dict[str, Any]]],
@@ -99,3 +101,44 @@ def pick_lines(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dic
                      f"point: {also}; avoid: {avoid}"
                      + (f" ({'; '.join(notes)})" if notes else ""))
     return "\n".join(lines) + "\n"
+
+
+def readme_lines(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dict[str, Any]]]
+                 ) -> str:
+    """The README's benchmark section, one line per scenario of at most ``README_LINE_CHARS``
+    characters: what to run, with its accuracy, rounds and uplink a round; what is within a
+    point, each with its uplink a round; what to avoid. Where that is too long the uplinks
+    within a point go first, then the rows to avoid past those that fit (``+N more``, which
+    the report names)."""
+    lines = []
+    for scenario, pick in picked.items():
+        rows, avoid = stats[scenario], list(pick["avoid"])
+        if pick["run"] is None:
+            lines.append(_fit(f"- **{scenario}**: nothing to run, every row is unstable; "
+                              "avoid: ", avoid))
+            continue
+        best = rows[pick["run"]]
+        unsettled = "provisional, " if pick["missing"] or pick["provisional"] else ""
+        head = (f"- **{scenario}** ({unsettled}{best['num_rounds']} rounds): "
+                f"run **{pick['run']}** "
+                f"{100 * report_seeds_stats(best)[0]:.1f} "
+                f"({uplink_per_round(best):.2f} MB a round); within 1 point: ")
+        with_uplink = ", ".join(f"{label} ({uplink_per_round(rows[label]):.2f} MB)"
+                                for label in pick["also"]) or "none"
+        within = ", ".join(pick["also"]) or "none"
+        line = f"{head}{with_uplink}; avoid: {', '.join(avoid) or 'none'}"
+        if len(line) > README_LINE_CHARS:
+            line = _fit(f"{head}{within}; avoid: ", avoid)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _fit(head: str, names: list[str]) -> str:
+    """``head`` and as many of ``names`` as keep the line within ``README_LINE_CHARS``,
+    ``+N more`` for the rest."""
+    for shown in range(len(names), -1, -1):
+        listed = names[:shown] + ([f"+{len(names) - shown} more"] if shown < len(names) else [])
+        line = head + (", ".join(listed) or "none")
+        if len(line) <= README_LINE_CHARS:
+            return line
+    raise ValueError(f"a README line cannot hold {head!r}")

@@ -11,7 +11,7 @@ from typing import Any
 from bench.evidence import protocol
 from bench.evidence.cells import Matrix
 from bench.evidence.claims import claim_line, claims
-from bench.evidence.pick import pick_lines, picks
+from bench.evidence.pick import README_LINE_CHARS, pick_lines, picks, readme_lines
 from bench.evidence.privacy import privacy_stats, privacy_tables
 from bench.evidence.protocol import SCENARIOS
 from bench.evidence.stats import ablation_stats, flag, row_stats
@@ -89,7 +89,10 @@ def pick_section(evidence: Evidence) -> str:
             "row with the best mean; also: the stable rows whose paired 95% interval against "
             "it lies at or above -1 point; avoid: rows with an unstable seed, or whose "
             "interval lies below -1 point (uplink a round).\n\n"
-            + pick_lines(evidence.picked, evidence.stats) + "\n")
+            + pick_lines(evidence.picked, evidence.stats)
+            + "\nThe same picks as the README's benchmark section gives them (at most "
+            f"{README_LINE_CHARS} characters a line):\n\n```markdown\n"
+            + readme_lines(evidence.picked, evidence.stats) + "```\n\n")
 
 
 def claims_section(evidence: Evidence) -> str:
