@@ -85,22 +85,39 @@ def test_the_pick_runs_the_best_stable_row_and_names_what_is_within_a_point_and_
     assert line.startswith(f"- **{SCENARIO}** (40 rounds): run **fedper** 80.0 ± 1.6, 1.00 MB "
                            "a round; also within 1 point: fedrep -0.5 [")
     assert "0.50 MB a round; avoid: fedavg-ft (unstable: seed 3" in line
-    # the README's line: the same picks, short; provisional while a row is missing
-    assert readme_lines({SCENARIO: pick}, stats) == (
-        f"- **{SCENARIO}** (provisional, 40 rounds): run **fedper** 80.0 (1.00 MB a round); "
-        "within 1 point: fedrep (0.50 MB); avoid: fedavg-ft, fedavg\n")
-    # too many rows for one line: the uplinks within a point go, then the rows to avoid past
-    # those that fit, counted
-    many = {**stats[SCENARIO], **{f"method-with-a-long-name-{k}": _row(
-        f"method-with-a-long-name-{k}", [b - 0.03 for b in best]) for k in range(8)}}
-    crowded = picks({SCENARIO: many})[SCENARIO]
-    crowded["missing"] = []  # every row in: no longer provisional
-    line = readme_lines({SCENARIO: crowded}, {SCENARIO: many}).rstrip("\n")
-    assert len(line) <= README_LINE_CHARS
-    assert line.startswith(f"- **{SCENARIO}** (40 rounds): run **fedper** 80.0 (1.00 MB a "
-                           "round); within 1 point: fedrep; avoid: fedavg-ft, fedavg, ")
-    shown = line.split("; avoid: ")[1].split(", ")
-    assert shown[-1] == f"+{len(crowded['avoid']) - len(shown) + 1} more"
+    # the README's lines: the same picks, short, one per scenario; provisional while a row
+    # is missing
+    readme = readme_lines({SCENARIO: pick}, stats).splitlines()
+    assert readme == [f"- **{s}**: not in yet" if s != SCENARIO else
+                      f"- **{SCENARIO}** (provisional, 40 rounds): run **fedper** 80.0 (1.00 MB a "
+                      "round); within 1 point: fedrep (0.50 MB); avoid: fedavg-ft, fedavg"
+                      for s in SCENARIOS]
+    # every row in and settled: no longer provisional; too many rows for one line: the uplinks
+    # within a point go, then the rows past those that fit, avoided ones first, counted
+    for ties, below in ((1, 8), (12, 0), (12, 8)):
+        many = {"fedper": stats[SCENARIO]["fedper"],
+                **{f"method-with-a-long-name-{k}": _row(f"method-with-a-long-name-{k}",
+                                                        [b - 0.001 for b in best])
+                   for k in range(ties)},
+                **{f"worse-method-{k}": _row(f"worse-method-{k}", [b - 0.03 for b in best])
+                   for k in range(below)}}
+        crowded = picks({SCENARIO: many})[SCENARIO]
+        crowded["missing"] = []
+        line = readme_lines({SCENARIO: crowded}, {SCENARIO: many}).splitlines()[
+            list(SCENARIOS).index(SCENARIO)]
+        assert len(line) <= README_LINE_CHARS, line
+        head = (f"- **{SCENARIO}** (40 rounds): run **fedper** 80.0 (1.00 MB a round); within 1 "
+                "point: method-with-a-long-name-0")
+        assert line.startswith(head), line
+        within, avoid = line.removeprefix(head[:head.index("within")]).split("; avoid: ")
+        shown_within, shown_avoid = within.split(", "), avoid.split(", ")
+        assert "MB" not in within
+        if below:
+            assert shown_avoid[-1] == f"+{below - len(shown_avoid) + 1} more", line
+        if ties == 12 and below:
+            assert shown_avoid == [f"+{below} more"]  # the avoided ones are cut first
+        if ties == 12:
+            assert shown_within[-1] == f"+{ties - len(shown_within) + 1} more", line
     # every row unstable: nothing to run, and the line says so
     for r in stats[SCENARIO].values():
         r["unstable_seeds"], r["unstable_why"] = [5], {5: "diverged"}
@@ -108,6 +125,9 @@ def test_the_pick_runs_the_best_stable_row_and_names_what_is_within_a_point_and_
     assert pick["run"] is None and pick["also"] == {}
     assert pick_lines({SCENARIO: pick}, stats).startswith(
         f"- **{SCENARIO}**: nothing to run: every row in so far is unstable (fedper, fedrep")
+    assert readme_lines({SCENARIO: pick}, stats).splitlines()[list(SCENARIOS).index(
+        SCENARIO)].startswith(f"- **{SCENARIO}** (provisional): nothing to run, every row in is "
+                              "unstable; avoid: fedper, fedrep")
 
 
 def _record(diffs: list[float], primary: bool = True, **more) -> dict:

@@ -29,7 +29,7 @@ from bench.evidence.stats import flag, report_seeds_stats, uplink_per_round
 from comparison.stats import accuracy_difference, judge_difference, points, seeds_named
 
 MARGIN = -0.01  # one point, the claims' non-inferiority margin
-README_LINE_CHARS = 200  # the README's longest line (tests/test_docs.py)
+README_LINE_CHARS = 200  # the README's longest line
 
 
 def picks(stats: dict[str, dict[str, dict[str, Any]]],
@@ -105,40 +105,50 @@ def pick_lines(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dic
 
 def readme_lines(picked: dict[str, dict[str, Any]], stats: dict[str, dict[str, dict[str, Any]]]
                  ) -> str:
-    """The README's benchmark section, one line per scenario of at most ``README_LINE_CHARS``
-    characters: what to run, with its accuracy, rounds and uplink a round; what is within a
-    point, each with its uplink a round; what to avoid. Where that is too long the uplinks
-    within a point go first, then the rows to avoid past those that fit (``+N more``, which
-    the report names)."""
+    """The README's benchmark section, one line per scenario of ``SCENARIOS`` of at most
+    ``README_LINE_CHARS`` characters: what to run, with its accuracy, rounds and uplink a
+    round; what is within a point, each with its uplink a round; what to avoid; "provisional"
+    while any row of the scenario may still change it (not in, its seeds or rounds not
+    settled). Where that is too long the uplinks within a point go first, then the rows past
+    those that fit, avoided ones before those within a point (``+N more``: the report names
+    them)."""
     lines = []
-    for scenario, pick in picked.items():
-        rows, avoid = stats[scenario], list(pick["avoid"])
+    for scenario in SCENARIOS:
+        pick, rows = picked.get(scenario), stats.get(scenario, {})
+        if pick is None:
+            lines.append(f"- **{scenario}**: not in yet")
+            continue
+        unsettled = bool(pick["missing"] or pick["provisional"]) or any(
+            not complete(r) or not r.get("rounds_fixed", True) for r in rows.values())
+        avoid = ("; avoid: ", list(pick["avoid"]))
         if pick["run"] is None:
-            lines.append(_fit(f"- **{scenario}**: nothing to run, every row is unstable; "
-                              "avoid: ", avoid))
+            lines.append(_fit(f"- **{scenario}**{' (provisional)' if unsettled else ''}: "
+                              "nothing to run, every row in is unstable", [avoid]))
             continue
         best = rows[pick["run"]]
-        unsettled = "provisional, " if pick["missing"] or pick["provisional"] else ""
-        head = (f"- **{scenario}** ({unsettled}{best['num_rounds']} rounds): "
-                f"run **{pick['run']}** "
+        head = (f"- **{scenario}** ({'provisional, ' if unsettled else ''}"
+                f"{best['num_rounds']} rounds): run **{pick['run']}** "
                 f"{100 * report_seeds_stats(best)[0]:.1f} "
-                f"({uplink_per_round(best):.2f} MB a round); within 1 point: ")
-        with_uplink = ", ".join(f"{label} ({uplink_per_round(rows[label]):.2f} MB)"
-                                for label in pick["also"]) or "none"
-        within = ", ".join(pick["also"]) or "none"
-        line = f"{head}{with_uplink}; avoid: {', '.join(avoid) or 'none'}"
-        if len(line) > README_LINE_CHARS:
-            line = _fit(f"{head}{within}; avoid: ", avoid)
-        lines.append(line)
+                f"({uplink_per_round(best):.2f} MB a round)")
+        whole = _fit(head, [("; within 1 point: ", [
+            f"{label} ({uplink_per_round(rows[label]):.2f} MB)" for label in pick["also"]]),
+            avoid], shorten=False)
+        lines.append(whole if len(whole) <= README_LINE_CHARS
+                     else _fit(head, [("; within 1 point: ", list(pick["also"])), avoid]))
     return "\n".join(lines) + "\n"
 
 
-def _fit(head: str, names: list[str]) -> str:
-    """``head`` and as many of ``names`` as keep the line within ``README_LINE_CHARS``,
-    ``+N more`` for the rest."""
-    for shown in range(len(names), -1, -1):
-        listed = names[:shown] + ([f"+{len(names) - shown} more"] if shown < len(names) else [])
-        line = head + (", ".join(listed) or "none")
-        if len(line) <= README_LINE_CHARS:
+def _fit(head: str, sections: list[tuple[str, list[str]]], shorten: bool = True) -> str:
+    """``head``, then each section's lead and names, as many names as keep the line within
+    ``README_LINE_CHARS`` (``+N more`` for the rest), the last section cut first; the
+    shortest such line where none fits. ``shorten``: False, every name."""
+    shown = [len(names) for _, names in sections]
+    while True:
+        line = head + "".join(
+            lead + (", ".join(names[:k] + ([f"+{len(names) - k} more"] if k < len(names)
+                                           else [])) or "none")
+            for (lead, names), k in zip(sections, shown, strict=True))
+        cuttable = [i for i, k in enumerate(shown) if k > 0]
+        if len(line) <= README_LINE_CHARS or not shorten or not cuttable:
             return line
-    raise ValueError(f"a README line cannot hold {head!r}")
+        shown[cuttable[-1]] -= 1
