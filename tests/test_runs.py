@@ -137,6 +137,7 @@ NAN = {"stage": "train", "client": "3", "reason": "metric 'train-loss' is not fi
 NAN_ARRAY = {"stage": "train", "client": "4", "reason": "'w' has values that are not finite"}
 LATE = {"stage": "evaluate", "client": "3", "reason": "no reply within round-timeout (600 s)"}
 ERRED = {"stage": "train", "client": "3", "reason": "ClientAppException: ValueError: no data"}
+REFUSED = {"stage": "train", "client": "3", "reason": "client id 3 is held by live node 7"}
 
 
 def test_a_run_that_lost_clients_to_non_finite_values_in_its_last_rounds_diverged(tmp_path):
@@ -153,8 +154,10 @@ def test_a_run_that_lost_clients_to_non_finite_values_in_its_last_rounds_diverge
     kept = store.get(record, config(tmp_path), name="z 1", diverged_is_result=True)
     assert kept["status"] == "diverged" and "accuracy_weighted" not in kept
     assert kept["privacy"]["epsilon"] == 110.0  # what it spent, diverged or not
-    # a client lost before the figure's rounds, or to its own error, leaves a figure
-    for index, results in enumerate((_rounds(10, {5: [NAN]}), _rounds(10, {9: [ERRED]}))):
+    # a client lost before the figure's rounds, to its own error, or refused by the server
+    # (strategies/engine/identity.py) leaves a figure: the same on every try
+    for index, results in enumerate((_rounds(10, {5: [NAN]}), _rounds(10, {9: [ERRED]}),
+                                     _rounds(10, {8: [REFUSED]}))):
         store = RunStore(app_defaults(ROOT), REGISTRY, WritingRunner(results))
         got = store.get(tmp_path / f"other{index}.json", config(tmp_path), name="x")
         assert got["accuracy_weighted"] == 0.5 and store.failed == []
